@@ -1,0 +1,466 @@
+"""Run configuration: small frozen dataclasses that check themselves, YAML I/O, dotted overrides.
+
+A run is a `RunConfig` holding `ModelConfig` (with its `MoEConfig`), `DataConfig`, `TrainConfig` and
+`MeshConfig`. Every field is validated in `__post_init__`; a bad value raises `ConfigError` naming the
+field, the value and what is allowed. Derive variants with `dataclasses.replace` or `override`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "DataError",
+    "MoEConfig",
+    "ModelConfig",
+    "DomainConfig",
+    "PhaseConfig",
+    "DataConfig",
+    "TrainConfig",
+    "MeshConfig",
+    "RunConfig",
+    "from_dict",
+    "to_dict",
+    "load_yaml",
+    "dump_yaml",
+    "override",
+    "parse_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and the fix."""
+
+
+class DataError(ValueError):
+    """Input data is missing, empty or malformed; the message names the file and the fix."""
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: {allowed}.")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "must be an integer >= 1")
+
+
+def _non_negative_int(name: str, value: Any) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value, "must be an integer >= 0")
+
+
+def _one_of(name: str, value: Any, options: tuple[str, ...]) -> None:
+    _check(value in options, name, value, f"must be one of {', '.join(options)}")
+
+
+DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "ep")
+ROUTER_SCORES = ("sigmoid", "softmax")
+BALANCERS = ("none",)
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed experts, the shared experts, the latent projection and how tokens reach experts."""
+
+    num_experts: int = 8
+    num_experts_per_token: int = 2  # top-k
+    expert_dim: int = 64  # SwiGLU hidden width of one routed expert
+    num_shared_experts: int = 0
+    shared_expert_dim: int | None = None  # None: same as expert_dim
+    latent_dim: int | None = None  # None: no LatentMoE; else experts run at this width
+    router_score: str = "sigmoid"
+    normalize_weights: bool = True  # renormalize the chosen experts' scores to sum to 1
+    routed_scaling: float = 1.0  # the combine weights then sum to this
+    capacity_factor: float = 1.15
+    dispatch: str = "capacity"
+    balancing: str = "none"
+    num_waves: int = 1  # static expert waves in the `ep` all-to-all
+
+    def __post_init__(self) -> None:
+        p = "model.moe."
+        _positive_int(p + "num_experts", self.num_experts)
+        _positive_int(p + "num_experts_per_token", self.num_experts_per_token)
+        _check(
+            self.num_experts_per_token <= self.num_experts,
+            p + "num_experts_per_token",
+            self.num_experts_per_token,
+            f"top-k cannot exceed model.moe.num_experts={self.num_experts}",
+        )
+        _positive_int(p + "expert_dim", self.expert_dim)
+        _non_negative_int(p + "num_shared_experts", self.num_shared_experts)
+        if self.shared_expert_dim is not None:
+            _positive_int(p + "shared_expert_dim", self.shared_expert_dim)
+        if self.latent_dim is not None:
+            _positive_int(p + "latent_dim", self.latent_dim)
+        _one_of(p + "router_score", self.router_score, ROUTER_SCORES)
+        _check(self.routed_scaling > 0, p + "routed_scaling", self.routed_scaling, "must be > 0")
+        _check(
+            isinstance(self.capacity_factor, (int, float)) and self.capacity_factor > 0,
+            p + "capacity_factor",
+            self.capacity_factor,
+            "must be > 0 (1.0 = exactly the fair share per expert; 1.15 is the frontier recipe)",
+        )
+        _one_of(p + "dispatch", self.dispatch, DISPATCH_BACKENDS)
+        _one_of(p + "balancing", self.balancing, BALANCERS)
+        _positive_int(p + "num_waves", self.num_waves)
+
+    @property
+    def shared_dim(self) -> int:
+        return self.shared_expert_dim if self.shared_expert_dim is not None else self.expert_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape. Attention is GQA with RoPE; every block's MLP is the MoE block."""
+
+    vocab_size: int = 512
+    d_model: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: d_model // num_heads
+    seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    z_loss_weight: float = 0.0  # weight of the squared log-partition term; 0 disables it
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        p = "model."
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "seq_len"):
+            _positive_int(p + name, getattr(self, name))
+        if self.head_dim is None:
+            _check(
+                self.d_model % self.num_heads == 0,
+                p + "num_heads",
+                self.num_heads,
+                f"must divide model.d_model={self.d_model}; or set model.head_dim explicitly",
+            )
+        else:
+            _positive_int(p + "head_dim", self.head_dim)
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            p + "num_kv_heads",
+            self.num_kv_heads,
+            f"must divide model.num_heads={self.num_heads} (grouped-query attention)",
+        )
+        _check(self.rope_theta > 0, p + "rope_theta", self.rope_theta, "must be > 0")
+        _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
+        _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def expert_input_dim(self) -> int:
+        """Width of the rows the routed experts see: the latent width under LatentMoE, else d_model."""
+        return self.moe.latent_dim if self.moe.latent_dim is not None else self.d_model
+
+
+EMBEDDED_DOMAINS = ("code", "prose", "arithmetic")
+
+
+@dataclass(frozen=True)
+class DomainConfig:
+    """One data domain: an embedded one (`code`, `prose`, `arithmetic`) or the user's files."""
+
+    name: str
+    kind: str = "embedded"  # "embedded" or "files"
+    paths: tuple[str, ...] = ()  # .txt / .jsonl (a "text" field) / .parquet (a "text" column)
+
+    def __post_init__(self) -> None:
+        _one_of(f"data.domains[{self.name}].kind", self.kind, ("embedded", "files"))
+        if self.kind == "embedded":
+            _one_of(f"data.domains[{self.name}].name", self.name, EMBEDDED_DOMAINS)
+        else:
+            _check(len(self.paths) > 0, f"data.domains[{self.name}].paths", self.paths, "list at least one file")
+
+
+@dataclass(frozen=True)
+class PhaseConfig:
+    """A training phase: a share of the steps and the domain weights used during it."""
+
+    name: str
+    fraction: float
+    weights: dict[str, float]
+
+    def __post_init__(self) -> None:
+        p = f"data.phases[{self.name}]."
+        _check(0 < self.fraction <= 1, p + "fraction", self.fraction, "must be in (0, 1]")
+        _check(
+            bool(self.weights) and all(w >= 0 for w in self.weights.values()) and sum(self.weights.values()) > 0,
+            p + "weights",
+            self.weights,
+            "give non-negative weights with a positive sum",
+        )
+
+
+def _default_domains() -> tuple[DomainConfig, ...]:
+    return tuple(DomainConfig(name) for name in EMBEDDED_DOMAINS)
+
+
+def _default_phases() -> tuple[PhaseConfig, ...]:
+    # Pre-training favours code and prose; mid-training shifts weight toward arithmetic (design §3b).
+    return (
+        PhaseConfig("pretrain", 0.8, {"code": 0.45, "prose": 0.45, "arithmetic": 0.10}),
+        PhaseConfig("midtrain", 0.2, {"code": 0.25, "prose": 0.25, "arithmetic": 0.50}),
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from: domains, the tokenizer, phases with mixture weights, held-out split."""
+
+    domains: tuple[DomainConfig, ...] = field(default_factory=_default_domains)
+    phases: tuple[PhaseConfig, ...] = field(default_factory=_default_phases)
+    tokenizer: str = "byte"  # "byte", "bpe" (train one on the sources) or a path to tokenizer.json
+    bpe_vocab_size: int = 1024  # only with tokenizer="bpe"
+    heldout_fraction: float = 0.1  # share of each domain's documents held out for eval
+    max_bytes_per_domain: int = 4_000_000  # caps the embedded code domain so start-up stays fast
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.domains]
+        _check(len(names) > 0, "data.domains", names, "list at least one domain")
+        _check(len(set(names)) == len(names), "data.domains", names, "domain names must be unique")
+        _check(len(self.phases) > 0, "data.phases", self.phases, "list at least one phase")
+        total = sum(ph.fraction for ph in self.phases)
+        _check(math.isclose(total, 1.0, abs_tol=1e-6), "data.phases", [ph.fraction for ph in self.phases],
+               "phase fractions must sum to 1")
+        for ph in self.phases:
+            unknown = sorted(set(ph.weights) - set(names))
+            _check(not unknown, f"data.phases[{ph.name}].weights", unknown,
+                   f"names domains that are not in data.domains ({', '.join(names)})")
+        _check(self.tokenizer in ("byte", "bpe") or self.tokenizer.endswith(".json"), "data.tokenizer",
+               self.tokenizer, "use 'byte', 'bpe' or a path to a tokenizer.json")
+        _check(self.bpe_vocab_size >= 260, "data.bpe_vocab_size", self.bpe_vocab_size, "must be >= 260")
+        _check(0 < self.heldout_fraction < 1, "data.heldout_fraction", self.heldout_fraction, "must be in (0, 1)")
+        _positive_int("data.max_bytes_per_domain", self.max_bytes_per_domain)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer, schedule, batch and the loop's cadence."""
+
+    steps: int = 200
+    batch_size: int = 16  # global, in sequences
+    lr: float = 3e-3  # peak
+    min_lr_ratio: float = 0.1  # final LR = lr * min_lr_ratio
+    warmup_steps: int = 20
+    schedule: str = "wsd"  # "wsd" (warmup-stable-decay) or "cosine"
+    decay_fraction: float = 0.2  # WSD: last share of steps spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clip; None-like 0 is not allowed, use a large value
+    compute_dtype: str = "float32"  # params stay float32; "bfloat16" casts activations and weights in the step
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4  # per domain
+
+    def __post_init__(self) -> None:
+        p = "train."
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+            _positive_int(p + name, getattr(self, name))
+        _non_negative_int(p + "warmup_steps", self.warmup_steps)
+        _non_negative_int(p + "seed", self.seed)
+        _check(self.lr > 0, p + "lr", self.lr, "must be > 0")
+        _check(0 <= self.min_lr_ratio <= 1, p + "min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _one_of(p + "schedule", self.schedule, ("wsd", "cosine"))
+        _check(0 <= self.decay_fraction <= 1, p + "decay_fraction", self.decay_fraction, "must be in [0, 1]")
+        _check(self.weight_decay >= 0, p + "weight_decay", self.weight_decay, "must be >= 0")
+        _check(0 <= self.beta1 < 1, p + "beta1", self.beta1, "must be in [0, 1)")
+        _check(0 <= self.beta2 < 1, p + "beta2", self.beta2, "must be in [0, 1)")
+        _check(self.grad_clip > 0, p + "grad_clip", self.grad_clip, "must be > 0")
+        _one_of(p + "compute_dtype", self.compute_dtype, DTYPES)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh: data parallel across `replica` groups, expert parallel inside each (a "rack")."""
+
+    replica: int = 1
+    expert: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("mesh.replica", self.replica)
+        _positive_int("mesh.expert", self.expert)
+
+    @property
+    def num_devices(self) -> int:
+        return self.replica * self.expert
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs."""
+
+    name: str = "run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks: the ones that need two sections at once.
+        moe = self.model.moe
+        _check(
+            moe.num_experts % self.mesh.expert == 0,
+            "model.moe.num_experts",
+            moe.num_experts,
+            f"must be divisible by mesh.expert={self.mesh.expert} so each expert shard holds whole experts",
+        )
+        _check(
+            self.train.batch_size % self.mesh.num_devices == 0,
+            "train.batch_size",
+            self.train.batch_size,
+            f"must be divisible by the {self.mesh.num_devices} devices of mesh "
+            f"replica={self.mesh.replica} x expert={self.mesh.expert}",
+        )
+        _check(
+            moe.dispatch != "ep" or self.mesh.expert >= 1,
+            "model.moe.dispatch",
+            moe.dispatch,
+            "ep needs a mesh",
+        )
+        _check(self.train.warmup_steps <= self.train.steps, "train.warmup_steps", self.train.warmup_steps,
+               f"cannot exceed train.steps={self.train.steps}")
+
+
+# ----------------------------------------------------------------------------------------------
+# dict / YAML conversion
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Turn plain YAML data into the annotated type `tp` (dataclasses, tuples, optionals)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}.")
+        return _build(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], where)
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp) if len(typing.get_args(tp)) == 2 else (typing.get_args(tp)[0], ...)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}.")
+        return tuple(_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}.")
+        return {str(k): float(v) for k, v in value.items()}
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if tp in (int, float, str, bool) and not isinstance(value, tp):
+        raise ConfigError(f"{where}={value!r} must be of type {tp.__name__}.")
+    return value
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"Unknown key {prefix}{unknown[0]}; the keys allowed here are: {', '.join(names)}."
+        )
+    kwargs = {}
+    for name in names:
+        if name in data:
+            sub = f"{where}.{name}" if where else name
+            kwargs[name] = _convert(data[name], hints[name], sub)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict, cls: type = RunConfig) -> Any:
+    """Build `cls` from nested plain data, rejecting unknown keys by name."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"a {cls.__name__} must be a mapping at the top level, got {type(data).__name__}.")
+    try:
+        return _build(cls, data, "")
+    except TypeError as e:  # a required field left out, e.g. a domain without a name
+        raise ConfigError(str(e)) from None
+
+
+def to_dict(cfg: Any) -> Any:
+    """Nested plain data (lists, dicts, scalars) that `from_dict` reads back to an equal config."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (tuple, list)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def load_yaml(path: str | Path) -> RunConfig:
+    """Read a RunConfig from YAML; a missing file or bad syntax raises ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a YAML file or --preset NAME.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    return from_dict(data)
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Parse `a.b.c=value` strings; values are read as YAML scalars (`3`, `1e-3`, `true`, `null`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r} must look like section.field=value, e.g. --set model.d_model=256.")
+        try:
+            out[key.strip()] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def override(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """Apply dotted overrides (`{"model.moe.num_experts": 16}`) and re-validate the whole config."""
+    data = to_dict(cfg)
+    for key, value in overrides.items():
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                path = ".".join(parts[: i + 1])
+                options = ", ".join(node) if isinstance(node, dict) else "none"
+                raise ConfigError(f"Unknown key {path} in --set {key}=...; the keys allowed here are: {options}.")
+            if i == len(parts) - 1:
+                node[part] = value
+            else:
+                node = node[part]
+    return from_dict(data)
