@@ -1,0 +1,86 @@
+"""Parameter counts and training FLOPs: the one source of these numbers for every report and CLI.
+
+Counts follow the parameter layout of `moelab.model.transformer.init` (a test checks them against it).
+FLOPs per token are forward + backward (3x forward), matmuls only:
+
+    flops_per_token = 6 * (active_params + lm_head) + 6 * L * S * N * H      (causal attention)
+
+where the attention term counts QK^T and AV over the causal half of the S x S score matrix
+(2 * 2 * S/2 * N * H per layer forward). Norms, softmaxes and the router's top-k are not counted,
+the usual convention (Kaplan et al. 2020, PaLM appendix B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moelab.config import ModelConfig, RunConfig
+
+__all__ = ["ParamCounts", "count_params", "flops_per_token", "train_tokens", "summarize", "mfu"]
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every parameter, embedding and lm head included
+    active: int  # what one token touches, excluding embedding and lm head
+    embedding: int  # embedding table + lm head (untied)
+
+
+def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of one block."""
+    d, moe = cfg.d_model, cfg.moe
+    heads = cfg.num_heads * cfg.dim_per_head
+    kv = cfg.num_kv_heads * cfg.dim_per_head
+    attention = d * heads + 2 * d * kv + heads * d
+    norms = 2 * d
+    router = d * moe.num_experts
+    d_in = cfg.expert_input_dim
+    latent = 0 if moe.latent_dim is None else 2 * d * moe.latent_dim + moe.latent_dim
+    one_expert = 3 * d_in * moe.expert_dim  # SwiGLU: gate, up, down
+    shared = moe.num_shared_experts * 3 * d * moe.shared_dim
+    common = attention + norms + router + latent + shared
+    return common + moe.num_experts * one_expert, common + moe.num_experts_per_token * one_expert
+
+
+def count_params(cfg: ModelConfig) -> ParamCounts:
+    total_layer, active_layer = _layer_counts(cfg)
+    embedding = 2 * cfg.vocab_size * cfg.d_model
+    final_norm = cfg.d_model
+    return ParamCounts(
+        total=cfg.num_layers * total_layer + embedding + final_norm,
+        active=cfg.num_layers * active_layer + final_norm,
+        embedding=embedding,
+    )
+
+
+def flops_per_token(cfg: ModelConfig) -> int:
+    """Training FLOPs (forward + backward) per token, attention included."""
+    counts = count_params(cfg)
+    lm_head = cfg.d_model * cfg.vocab_size
+    attention = 6 * cfg.num_layers * cfg.seq_len * cfg.num_heads * cfg.dim_per_head
+    return 6 * (counts.active + lm_head) + attention
+
+
+def train_tokens(cfg: RunConfig) -> int:
+    """Tokens a run trains on: steps x global batch x sequence length."""
+    return cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
+
+
+def summarize(cfg: RunConfig, tokens: int | None = None) -> dict[str, int | float]:
+    """The figures `moelab flops` prints, with exactly these keys."""
+    counts = count_params(cfg.model)
+    tokens = train_tokens(cfg) if tokens is None else tokens
+    per_token = flops_per_token(cfg.model)
+    return {
+        "total_params": counts.total,
+        "active_params": counts.active,
+        "embedding_params": counts.embedding,
+        "flops_per_token": per_token,
+        "tokens": tokens,
+        "train_flops": float(per_token) * tokens,
+    }
+
+
+def mfu(cfg: ModelConfig, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilization: useful training FLOPs per second over the hardware peak."""
+    return flops_per_token(cfg) * tokens_per_s / peak_flops

@@ -1,0 +1,192 @@
+"""Single-device dispatch backends: how routed rows reach their experts and come back.
+
+Every backend computes the same function (design §3):
+
+    out[t] = sum_j  weights[t, j] * expert_{idx[t, j]}(h[t]),   expert_e(h) = (silu(h W_gate[e]) * (h W_up[e])) W_down[e]
+
+- `dense`: every expert on every token, masked by the combine weights. O(T E) work; the test oracle.
+- `capacity`: sort the T*k assignments by expert, gather them into fixed [E, C, Din] buffers, one
+  batched einsum over experts, gather back. Assignments past an expert's capacity C are dropped
+  (they contribute 0) and counted. Static shapes, so this is the fast path on GPU (design §6).
+- `dropless`: `jax.lax.ragged_dot` over the expert-sorted rows; nothing is dropped.
+
+The expert-parallel backend lives in `moelab.parallel.ep`; `moelab.model.moe` picks a backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moelab.model.router import Routing, expert_load
+
+__all__ = ["BACKENDS", "dense", "capacity", "dropless", "dispatch", "expert_capacity"]
+
+BACKENDS = ("dense", "capacity", "dropless")
+
+Experts = dict[str, jax.Array]  # w_gate [E, Din, F], w_up [E, Din, F], w_down [E, F, Din]
+Stats = dict[str, jax.Array]  # load [E], dropped [], assignments []
+
+
+def _stats(routing: Routing, num_experts: int, dropped: jax.Array) -> Stats:
+    """The statistics every backend reports, all float32."""
+    return {
+        "load": expert_load(routing.expert_idx, num_experts),
+        "dropped": jnp.asarray(dropped, jnp.float32),
+        "assignments": jnp.asarray(routing.expert_idx.size, jnp.float32),
+    }
+
+
+def _combine(rows: jax.Array, routing: Routing) -> jax.Array:
+    """Weighted sum over each token's k expert outputs.
+
+    Args:
+        rows: [T * k, Din] expert outputs in assignment order (token-major: row t * k + j).
+        routing: its weights [T, k] are the combine weights.
+
+    Returns:
+        [T, Din] in the dtype of `rows`.
+    """
+    T, k = routing.expert_idx.shape
+    y = rows.reshape(T, k, rows.shape[-1])
+    return jnp.einsum("tkd,tk->td", y, routing.weights.astype(rows.dtype))
+
+
+def _sort_by_expert(expert_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Orders the T*k assignments by expert, earlier tokens first within an expert.
+
+    Returns:
+        order: [T*k] int32, assignment ids (t * k + j) sorted by expert; stable, so within an
+            expert the earlier token comes first and is the one kept when capacity runs out.
+        sorted_expert: [T*k] int32, the expert of each sorted assignment.
+        counts: [E] int32, assignments per expert (the size of each sorted group).
+    """
+    flat = expert_idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, flat[order], counts
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    """The permutation that undoes `order`: x[order][_inverse(order)] == x."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+
+
+def dense(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, Stats]:
+    """Runs every expert on every token and keeps the chosen ones: the reference.
+
+    Args:
+        h: [T, Din] expert inputs.
+        routing: chosen experts and combine weights.
+        experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
+
+    Returns:
+        out [T, Din] and stats (`load` [E], `dropped` = 0, `assignments` = T * k).
+    """
+    E = experts["w_gate"].shape[0]
+    gate = jnp.einsum("td,edf->tef", h, experts["w_gate"])
+    up = jnp.einsum("td,edf->tef", h, experts["w_up"])
+    y = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, experts["w_down"])  # [T, E, Din]
+    # [T, E] combine matrix: zero for the experts a token did not choose, so they add nothing and
+    # receive no gradient.
+    mask = jax.nn.one_hot(routing.expert_idx, E, dtype=routing.weights.dtype)  # [T, k, E]
+    combine = jnp.einsum("tke,tk->te", mask, routing.weights).astype(y.dtype)
+    out = jnp.einsum("ted,te->td", y, combine)
+    return out, _stats(routing, E, 0.0)
+
+
+def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float) -> int:
+    """Rows per expert buffer: C = ceil(capacity_factor * assignments / E), at most the tokens.
+
+    An expert appears at most once in a token's top-k, so it never receives more than T = assignments
+    / k rows; `capacity` caps C at T by itself, this function only applies the formula.
+    """
+    return max(1, math.ceil(capacity_factor * num_assignments / num_experts))
+
+
+def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: float) -> tuple[jax.Array, Stats]:
+    """Fixed-capacity dispatch: sort by expert, [E, C, Din] buffers, batched einsum, gather back.
+
+    Args:
+        h: [T, Din] expert inputs.
+        routing: chosen experts and combine weights.
+        experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
+        capacity_factor: C = ceil(capacity_factor * T * k / E); `E / k` gives C = T, so nothing drops.
+
+    Returns:
+        out [T, Din] and stats; `dropped` counts assignments past their expert's capacity (the
+        later tokens of an overfull expert), which contribute nothing to `out`.
+    """
+    T, k = routing.expert_idx.shape
+    E = experts["w_gate"].shape[0]
+    C = min(expert_capacity(T * k, E, capacity_factor), T)
+
+    order, sorted_expert, counts = _sort_by_expert(routing.expert_idx, E)
+    starts = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
+    rank = jnp.arange(T * k, dtype=jnp.int32) - starts[sorted_expert]  # position inside its expert
+    kept = rank < C
+    # Buffer slot of each sorted assignment; dropped ones go to slot E * C, a row that stays empty.
+    slot = jnp.where(kept, sorted_expert * C + rank, E * C)
+
+    # Which token fills each buffer slot; empty slots point at token T, an all-zero row.
+    slot_token = jnp.full((E * C + 1,), T, jnp.int32).at[slot].set(order // k)[: E * C]
+    h_padded = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
+    buf = h_padded[slot_token].reshape(E, C, h.shape[1])  # [E, C, Din], built by gather
+
+    gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
+    up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
+    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])  # [E, C, Din]
+
+    # Back to assignment order by gather (its gradient is the scatter-add into the buffers); the
+    # zero row at E * C is what a dropped assignment reads.
+    y_padded = jnp.concatenate([y.reshape(E * C, -1), jnp.zeros((1, y.shape[-1]), y.dtype)])
+    rows = y_padded[slot[_inverse(order)]]  # [T * k, Din]
+    dropped = jnp.sum(jnp.maximum(counts - C, 0))
+    return _combine(rows, routing), _stats(routing, E, dropped)
+
+
+def dropless(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, Stats]:
+    """Grouped-GEMM dispatch: `jax.lax.ragged_dot` over the expert-sorted rows, no drops.
+
+    Args:
+        h: [T, Din] expert inputs.
+        routing: chosen experts and combine weights.
+        experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
+
+    Returns:
+        out [T, Din] and stats (`dropped` = 0).
+    """
+    T, k = routing.expert_idx.shape
+    E = experts["w_gate"].shape[0]
+    order, _, counts = _sort_by_expert(routing.expert_idx, E)
+    x = h[order // k]  # [T * k, Din], grouped by expert in the order of `counts`
+    gate = jax.lax.ragged_dot(x, experts["w_gate"], counts)
+    up = jax.lax.ragged_dot(x, experts["w_up"], counts)
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["w_down"], counts)  # [T * k, Din]
+    return _combine(y[_inverse(order)], routing), _stats(routing, E, 0.0)
+
+
+def dispatch(
+    backend: str, h: jax.Array, routing: Routing, experts: Experts, capacity_factor: float
+) -> tuple[jax.Array, Stats]:
+    """Runs the routed experts with the named single-device backend.
+
+    Args:
+        backend: one of `BACKENDS` ("dense", "capacity", "dropless").
+        h: [T, Din] expert inputs.
+        routing: from `moelab.model.router.route`.
+        experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
+        capacity_factor: used by "capacity" only.
+
+    Returns:
+        out [T, Din] and stats: `load` [E], `dropped` [], `assignments` [] (float32).
+    """
+    if backend == "dense":
+        return dense(h, routing, experts)
+    if backend == "capacity":
+        return capacity(h, routing, experts, capacity_factor)
+    if backend == "dropless":
+        return dropless(h, routing, experts)
+    raise ValueError(f"dispatch backend {backend!r} is not a single-device backend; use one of {', '.join(BACKENDS)}.")

@@ -1,0 +1,126 @@
+"""Config validation, YAML round-trips, dotted overrides, presets and the accounting of each."""
+
+import dataclasses
+
+import pytest
+
+from moelab import accounting, presets
+from moelab.config import (
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    RunConfig,
+    TrainConfig,
+    dump_yaml,
+    from_dict,
+    load_yaml,
+    override,
+    parse_overrides,
+)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"model.num_heads": 3}, "model.num_heads"),
+        ({"model.num_kv_heads": 3}, "model.num_kv_heads"),
+        ({"model.moe.num_experts_per_token": 9}, "model.moe.num_experts_per_token"),
+        ({"model.moe.capacity_factor": 0}, "model.moe.capacity_factor"),
+        ({"model.moe.capacity_factor": -1.0}, "model.moe.capacity_factor"),
+        ({"model.moe.dispatch": "magic"}, "model.moe.dispatch"),
+        ({"train.lr": -1.0}, "train.lr"),
+        ({"train.steps": 0}, "train.steps"),
+        ({"model.moe.num_experts": 6, "mesh.expert": 4}, "model.moe.num_experts"),
+        ({"train.batch_size": 6, "mesh.expert": 4}, "train.batch_size"),
+    ],
+)
+def test_invalid_values_raise_config_error_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        override(presets.get("tiny"), overrides)
+
+
+def test_unknown_keys_are_named_with_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"model\.moe\.top_k.*num_experts_per_token"):
+        override(presets.get("tiny"), {"model.moe.top_k": 2})
+    with pytest.raises(ConfigError, match=r"Unknown key model\.hidden"):
+        from_dict({"model": {"hidden": 3}})
+
+
+def test_every_preset_round_trips_through_yaml(tmp_path):
+    for name in presets.PRESETS:
+        cfg = presets.get(name)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(dump_yaml(cfg))
+        assert load_yaml(path) == cfg
+
+
+def test_malformed_yaml_and_missing_file_raise_config_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {d_model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_yaml(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_yaml(tmp_path / "missing.yaml")
+
+
+def test_overrides_parse_yaml_scalars_and_reject_missing_equals():
+    parsed = parse_overrides(["train.lr=1e-3", "model.moe.latent_dim=null", "train.steps=5"])
+    assert parsed == {"train.lr": "1e-3", "model.moe.latent_dim": None, "train.steps": 5}
+    cfg = override(presets.get("tiny"), parsed)  # `1e-3` is a YAML 1.1 string; float fields accept it
+    assert (cfg.train.lr, cfg.model.moe.latent_dim, cfg.train.steps) == (1e-3, None, 5)
+    with pytest.raises(ConfigError, match="section.field=value"):
+        parse_overrides(["train.lr"])
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="tiny"):
+        presets.get("nope")
+
+
+def test_mixtral_style_yaml_loads():
+    cfg = load_yaml("experiments/mixtral-style.yaml")
+    assert cfg.model.moe.router_score == "softmax"
+    assert cfg.model.moe.num_shared_experts == 0 and cfg.model.moe.latent_dim is None
+
+
+def test_accounting_matches_a_hand_count():
+    cfg = ModelConfig(
+        vocab_size=10, d_model=8, num_layers=2, num_heads=2, num_kv_heads=1, seq_len=16,
+        moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=6, num_shared_experts=1,
+                      shared_expert_dim=5, latent_dim=4),
+    )
+    # Per layer, by hand: q 8*8, k 8*4, v 8*4, o 8*8 = 192; norms 16; router 8*4 = 32;
+    # latent down 8*4 + up 4*8 + norm 4 = 68; one expert 3*4*6 = 72; shared 3*8*5 = 120.
+    common = 192 + 16 + 32 + 68 + 120
+    counts = accounting.count_params(cfg)
+    assert counts.embedding == 2 * 10 * 8
+    assert counts.total == 2 * (common + 4 * 72) + 160 + 8
+    assert counts.active == 2 * (common + 2 * 72) + 8
+    # 6 x (active + lm head) + causal attention 6 * L * S * heads * head_dim
+    assert accounting.flops_per_token(cfg) == 6 * (counts.active + 80) + 6 * 2 * 16 * 2 * 4
+
+
+def test_frontier_preset_is_535b_total_23b_active_and_27e23_flops():
+    figures = accounting.summarize(presets.get("frontier-535b"))
+    assert 530e9 < figures["total_params"] < 540e9
+    assert 22e9 < figures["active_params"] < 24e9
+    assert 2.5e24 < figures["train_flops"] < 2.9e24
+    assert abs(figures["tokens"] - 18.75e12) / 18.75e12 < 1e-4
+
+
+@pytest.mark.parametrize("name, d, layers, heads, kv", [
+    ("ladder-d768", 768, 8, 6, 1), ("ladder-d1024", 1024, 12, 8, 2),
+    ("ladder-d1536", 1536, 16, 12, 3), ("ladder-d2048", 2048, 22, 16, 4),
+])
+def test_ladder_presets_keep_the_frontier_routing_geometry(name, d, layers, heads, kv):
+    m = presets.get(name).model
+    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.dim_per_head) == (d, layers, heads, kv, 128)
+    assert (m.moe.num_experts, m.moe.num_experts_per_token, m.moe.num_shared_experts) == (384, 8, 2)
+    assert m.moe.expert_dim == m.moe.latent_dim == m.moe.shared_dim == d // 2
+    assert (m.vocab_size, m.seq_len) == (128256, 4096)
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TrainConfig().lr = 1.0  # type: ignore[misc]
+    assert isinstance(RunConfig().model, ModelConfig)
