@@ -227,7 +227,7 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte", "bpe" (train one on the sources) or a path to tokenizer.json
     bpe_vocab_size: int = 1024  # only with tokenizer="bpe"
     heldout_fraction: float = 0.1  # share of each domain's documents held out for eval
-    max_bytes_per_domain: int = 4_000_000  # caps the embedded code domain so start-up stays fast
+    max_bytes_per_domain: int = 4_000_000  # caps each embedded domain (not user files) so start-up stays fast
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.domains]

@@ -31,8 +31,10 @@ from moelab.config import DataError, DomainConfig
 __all__ = ["load_documents", "stdlib_python_files"]
 
 # Directories of the stdlib tree that are not the library itself: third-party packages and test suites
-# (test data there includes deliberately broken or oddly encoded files).
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+# (test data there includes deliberately broken or oddly encoded files), generated codec tables
+# (`encodings/` is ~0.8 MB of lookup tables, not code anyone writes) and the deprecated `distutils`.
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
+                           "encodings", "distutils"})
 _ARITHMETIC_MAX_BYTES = 1_000_000  # more of the same problems would add start-up time, not information
 _ARITHMETIC_LINES_PER_DOCUMENT = 32
 _CHUNKS_FOR_A_SINGLE_DOCUMENT = 20  # a lone user document is cut into this many pieces so a held-out split exists
@@ -201,7 +203,7 @@ def _load_files(domain: DomainConfig) -> list[str]:
         documents = _split_at_lines(documents[0], _CHUNKS_FOR_A_SINGLE_DOCUMENT)
         if len(documents) < 2:
             raise DataError(
-                f"{where}: domain {domain.name} holds a single line of text, too little to hold part of it out "
+                f"{where}: file {domain.paths[0]} holds a single line of text, too little to hold part of it out "
                 "for evaluation; add more lines, documents or files."
             )
     return documents
@@ -211,7 +213,9 @@ def _read_text(path: Path, where: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{where}: file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8.")
+        raise DataError(
+            f"{where}: file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8."
+        ) from e
 
 
 def _read_jsonl(path: Path, where: str) -> list[str]:
@@ -250,7 +254,7 @@ def _read_parquet(path: Path, where: str) -> list[str]:
             )
         column = pq.read_table(path, columns=["text"]).column("text")
     except pa.ArrowException as e:
-        raise DataError(f"{where}: file {path} is not a readable Parquet file ({e}); rewrite it with pyarrow.")
+        raise DataError(f"{where}: file {path} is not a readable Parquet file ({e}); rewrite it with pyarrow.") from e
     documents = column.to_pylist()
     for row, doc in enumerate(documents):
         if not isinstance(doc, str):

@@ -56,7 +56,7 @@ def make_train_step(cfg: RunConfig) -> Callable[[TrainState, jax.Array], tuple[T
             "loss": loss,
             "ce": aux["ce"],
             "lr": schedule(state.step),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "drop_fraction": aux["drop_fraction"],
             "expert_load": aux["expert_load"],
         }

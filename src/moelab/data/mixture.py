@@ -1,0 +1,248 @@
+"""The training mixture: a tokenized corpus with held-out splits, phases, and a sampler keyed on (seed, step).
+
+`build_corpus` turns each domain's documents into two int32 token streams, train and held-out (whole
+documents, each followed by eos). `phase_at` says which phase, and so which domain weights, a step trains
+under. `sample_batch` draws a batch from those weights that depends only on (seed, step), so a resumed run
+reproduces the uninterrupted one; `eval_batches` gives fixed held-out windows; `unigram_entropy` is the loss a
+model that ignores context would reach, the bar a trained model must beat.
+
+    corpus = build_corpus(cfg.data, seed=cfg.train.seed)
+    _, phase = phase_at(cfg.data, step, cfg.train.steps)
+    batch = sample_batch(corpus, phase.weights, cfg.train.seed, step, cfg.train.batch_size, cfg.model.seq_len)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from moelab.config import DataConfig, DataError, PhaseConfig
+from moelab.data.sources import load_documents
+from moelab.data.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = [
+    "Batch",
+    "Corpus",
+    "allocate_rows",
+    "build_corpus",
+    "eval_batches",
+    "phase_at",
+    "phase_boundaries",
+    "realized_tokens",
+    "sample_batch",
+    "split_documents",
+    "unigram_entropy",
+]
+
+
+class Batch(NamedTuple):
+    """Training rows and the domain each came from."""
+
+    tokens: np.ndarray  # int32 [B, seq_len + 1]: inputs are tokens[:, :-1], targets tokens[:, 1:]
+    domain: np.ndarray  # int32 [B]: index into Corpus.domains
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: `==` on dicts of arrays would raise, so compare by identity
+class Corpus:
+    """Token streams per domain: each document's tokens followed by eos, concatenated in document order."""
+
+    domains: tuple[str, ...]
+    train: dict[str, np.ndarray]  # int32 [num_train_tokens]
+    heldout: dict[str, np.ndarray]  # int32 [num_heldout_tokens]
+    tokenizer: Tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# building the corpus
+
+
+def split_documents(documents: Sequence[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
+    """Split whole documents into (train, held-out), holding out evenly spaced ones.
+
+    `round(heldout_fraction * n)` documents are held out, at least one and at most n - 1. Evenly spaced
+    picks spread the held-out set over the whole (sorted) domain, e.g. over all of the stdlib's packages,
+    without a random draw.
+    """
+    n = len(documents)
+    if n < 2:
+        raise ValueError(f"need at least 2 documents to hold some out, got {n}.")
+    num_heldout = min(n - 1, max(1, round(heldout_fraction * n)))
+    heldout = {int((i + 0.5) * n / num_heldout) for i in range(num_heldout)}
+    train_docs = [doc for i, doc in enumerate(documents) if i not in heldout]
+    heldout_docs = [doc for i, doc in enumerate(documents) if i in heldout]
+    return train_docs, heldout_docs
+
+
+def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
+    """Load, split and tokenize every domain of `cfg`.
+
+    The default config (three embedded domains, 4 MB cap, byte tokenizer) builds in well under a second.
+    With `tokenizer="bpe"` the BPE is trained on the train documents of all domains, never the held-out ones.
+
+    Args:
+        cfg: the data config.
+        seed: seeds the synthetic arithmetic domain.
+
+    Raises:
+        DataError: a domain has fewer than two documents, or its files are bad (see `load_documents`).
+    """
+    train_docs: dict[str, list[str]] = {}
+    heldout_docs: dict[str, list[str]] = {}
+    for domain in cfg.domains:
+        documents = load_documents(domain, cfg.max_bytes_per_domain, seed)
+        if len(documents) < 2:
+            raise DataError(
+                f"data.domains[{domain.name}] yields {len(documents)} document(s); it needs at least 2 so that "
+                "whole documents can be held out for evaluation. Add data or raise data.max_bytes_per_domain."
+            )
+        train_docs[domain.name], heldout_docs[domain.name] = split_documents(documents, cfg.heldout_fraction)
+    tokenizer = build_tokenizer(cfg, train_docs)
+    return Corpus(
+        domains=tuple(train_docs),
+        train={name: _tokenize(tokenizer, docs) for name, docs in train_docs.items()},
+        heldout={name: _tokenize(tokenizer, docs) for name, docs in heldout_docs.items()},
+        tokenizer=tokenizer,
+    )
+
+
+def _tokenize(tokenizer: Tokenizer, documents: list[str]) -> np.ndarray:
+    eos = np.array([tokenizer.eos_id], dtype=np.int32)
+    return np.concatenate([part for doc in documents for part in (tokenizer.encode(doc), eos)])
+
+
+# ----------------------------------------------------------------------------------------------
+# phases
+
+
+def phase_boundaries(cfg: DataConfig, total_steps: int) -> list[int]:
+    """The first step of each phase: cumulative phase fractions of `total_steps`, rounded to the nearest step.
+
+    With fractions 0.8 / 0.2 and 1000 steps: `[0, 800]`.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps} must be >= 1.")
+    starts, cumulative = [], 0.0
+    for phase in cfg.phases:
+        starts.append(round(cumulative * total_steps))
+        cumulative += phase.fraction
+    return starts
+
+
+def phase_at(cfg: DataConfig, step: int, total_steps: int) -> tuple[int, PhaseConfig]:
+    """The index and config of the phase that `step` (0-based) trains under.
+
+    A phase whose share rounds to zero steps is skipped.
+    """
+    if not 0 <= step < total_steps:
+        raise ValueError(f"step={step} must be in [0, total_steps={total_steps}).")
+    index = bisect.bisect_right(phase_boundaries(cfg, total_steps), step) - 1
+    return index, cfg.phases[index]
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+
+
+def allocate_rows(weights: dict[str, float], domains: Sequence[str], batch_size: int) -> np.ndarray:
+    """Rows per domain (in `domains` order) by largest remainder, so the batch's mix is as exact as it can be.
+
+    Each domain gets floor(w * B) rows for its normalized weight w; the rows left over go to the largest
+    fractional parts, ties to the earlier domain. A domain of weight 0, or missing from `weights`, gets none.
+    """
+    unknown = sorted(set(weights) - set(domains))
+    if unknown:
+        raise ValueError(f"weights name domains {unknown} that are not in the corpus ({', '.join(domains)}).")
+    w = np.array([weights.get(name, 0.0) for name in domains], dtype=np.float64)
+    if (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"weights={weights} must be non-negative with a positive sum.")
+    quotas = w / w.sum() * batch_size
+    rows = np.floor(quotas).astype(np.int64)
+    remainders = np.where(w > 0, quotas - rows, -1.0)  # -1: a weight-0 domain never takes a leftover row
+    leftover = batch_size - int(rows.sum())
+    rows[np.argsort(-remainders, kind="stable")[:leftover]] += 1
+    return rows
+
+
+def sample_batch(
+    corpus: Corpus, weights: dict[str, float], seed: int, step: int, batch_size: int, seq_len: int
+) -> Batch:
+    """A training batch that depends only on (seed, step): rows split by `allocate_rows`, random windows.
+
+    Each row is a window of seq_len + 1 tokens at a uniformly random offset of its domain's train stream;
+    a window may span documents (eos separates them). Rows come in random order, so any contiguous shard of
+    the batch mixes domains.
+
+    Raises:
+        DataError: a domain with positive weight has fewer than seq_len + 1 train tokens.
+    """
+    rows = allocate_rows(weights, corpus.domains, batch_size)
+    window = seq_len + 1
+    for name in corpus.domains:
+        if weights.get(name, 0.0) > 0 and len(corpus.train[name]) < window:
+            raise DataError(
+                f"domain {name} has {len(corpus.train[name])} train tokens, fewer than one row of seq_len + 1 = "
+                f"{window}; add data to it, shorten model.seq_len, or give it weight 0."
+            )
+    rng = np.random.default_rng([seed, step])
+    domain = rng.permutation(np.repeat(np.arange(len(corpus.domains), dtype=np.int32), rows))
+    tokens = np.empty((batch_size, window), dtype=np.int32)
+    for index, name in enumerate(corpus.domains):
+        picked = np.flatnonzero(domain == index)
+        if picked.size:
+            stream = corpus.train[name]
+            starts = rng.integers(0, len(stream) - window + 1, size=picked.size)
+            tokens[picked] = stream[starts[:, None] + np.arange(window)]
+    return Batch(tokens=tokens, domain=domain)
+
+
+def realized_tokens(batch: Batch, domains: Sequence[str]) -> dict[str, int]:
+    """Trained-on tokens per domain in `batch`: seq_len per row (the targets), every domain listed."""
+    per_row = batch.tokens.shape[1] - 1
+    counts = np.bincount(batch.domain, minlength=len(domains))
+    return {name: int(counts[i]) * per_row for i, name in enumerate(domains)}
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation
+
+
+def eval_batches(corpus: Corpus, domain: str, num_batches: int, batch_size: int, seq_len: int) -> list[np.ndarray]:
+    """Fixed held-out windows of `domain`: `num_batches` arrays of int32 [batch_size, seq_len + 1].
+
+    The windows start evenly spaced over the held-out stream. A stream too short for that many disjoint
+    windows is read as a ring (it ends with eos, so a window across the end is still packed text), which
+    repeats tokens instead of failing on tiny configs.
+
+    Raises:
+        DataError: the held-out stream has fewer than seq_len + 1 tokens.
+    """
+    if domain not in corpus.heldout:
+        raise ValueError(f"domain {domain!r} is not in the corpus ({', '.join(corpus.domains)}).")
+    stream = corpus.heldout[domain]
+    window = seq_len + 1
+    if len(stream) < window:
+        raise DataError(
+            f"domain {domain} has {len(stream)} held-out tokens, fewer than one row of seq_len + 1 = {window}; "
+            "add data to it, raise data.heldout_fraction, or shorten model.seq_len."
+        )
+    num_windows = num_batches * batch_size
+    stride = max(window, len(stream) // num_windows)
+    starts = np.arange(num_windows) * stride
+    windows = stream[(starts[:, None] + np.arange(window)) % len(stream)]
+    return list(windows.reshape(num_batches, batch_size, window))
+
+
+def unigram_entropy(corpus: Corpus, domain: str | None = None) -> float:
+    """Entropy in nats/token of the held-out unigram distribution (eos included), of one domain or all.
+
+    H = -sum_t p(t) log p(t), where p(t) is token t's share of the held-out tokens. It is the loss of the
+    best model that ignores context, so a trained model's held-out loss must come in below it.
+    """
+    streams = [corpus.heldout[domain]] if domain is not None else [corpus.heldout[name] for name in corpus.domains]
+    counts = np.bincount(np.concatenate(streams))
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())

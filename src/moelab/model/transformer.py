@@ -1,0 +1,212 @@
+"""The MoE transformer: embedding, pre-norm blocks (GQA attention with RoPE, MoE), lm head, loss.
+
+    x = embed[tokens]
+    for each layer:  x += attn(rms_norm(x));  x += moe(rms_norm(x))
+    logits = rms_norm(x) @ lm_head
+
+The L blocks share one shape, so their parameters are stacked along a leading layer axis and the
+blocks run under `jax.lax.scan`: the block compiles once instead of L times. The embedding and the lm
+head are untied. The residual stream, norms, router and loss are float32; `compute_dtype` only
+changes the inputs of the matmuls. References: nanoGPT's model.py (layout), RoFormer (RoPE), GQA
+(Ainslie et al. 2023), PaLM (z-loss).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import ModelConfig
+from moelab.model import moe
+from moelab.model.moe import INIT_STD, EPDispatch, rms_norm
+
+__all__ = ["init", "init_router_bias", "apply", "loss", "attention", "apply_rope"]
+
+Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"}
+
+
+# ----------------------------------------------------------------------------------------------
+# init
+
+
+def _init_layer(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
+    """One block's parameters (attention + MoE), before stacking."""
+    D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    k_q, k_k, k_v, k_o, k_moe = jax.random.split(key, 5)
+    out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)  # see moe.init
+    return {
+        "attn_norm": jnp.ones((D,), jnp.float32),
+        "w_q": INIT_STD * jax.random.normal(k_q, (D, N * H), jnp.float32),
+        "w_k": INIT_STD * jax.random.normal(k_k, (D, K * H), jnp.float32),
+        "w_v": INIT_STD * jax.random.normal(k_v, (D, K * H), jnp.float32),
+        "w_o": out_std * jax.random.normal(k_o, (N * H, D), jnp.float32),
+        "mlp_norm": jnp.ones((D,), jnp.float32),
+        **moe.init(cfg, k_moe),
+    }
+
+
+def init(cfg: ModelConfig, key: jax.Array) -> Params:
+    """All parameters, float32, per-layer ones stacked along a leading L axis.
+
+    Returns:
+        `embed` [V, D], `layers` (`attn_norm` [L, D], `w_q` [L, D, N*H], `w_k` / `w_v` [L, D, K*H],
+        `w_o` [L, N*H, D], `mlp_norm` [L, D] and the MoE block's arrays from `moe.init` with a
+        leading L), `final_norm` [D], `lm_head` [D, V].
+    """
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    layer_keys = jax.random.split(k_layers, cfg.num_layers)
+    return {
+        "embed": INIT_STD * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
+        "layers": jax.vmap(functools.partial(_init_layer, cfg))(layer_keys),
+        "final_norm": jnp.ones((cfg.d_model,), jnp.float32),
+        "lm_head": INIT_STD * jax.random.normal(k_head, (cfg.d_model, cfg.vocab_size), jnp.float32),
+    }
+
+
+def init_router_bias(cfg: ModelConfig) -> jax.Array:
+    """The router balancing bias, [L, E] zeros: training state, not a parameter."""
+    return jnp.zeros((cfg.num_layers, cfg.moe.num_experts), jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention
+
+
+def apply_rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, rotating the two halves of each head (the GPT-NeoX / Llama layout).
+
+    Args:
+        x: [B, S, N, H] queries or keys, H even.
+        theta: base of the rotation frequencies.
+
+    Returns:
+        [B, S, N, H] in x's dtype; the angles and the rotation are computed in float32.
+    """
+    S, H = x.shape[1], x.shape[-1]
+    half = H // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
+    angle = jnp.arange(S, dtype=jnp.float32)[:, None] * freq[None, :]  # [S, H/2]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
+    """Causal grouped-query self-attention with RoPE.
+
+    Args:
+        layer: one block's `w_q` [D, N*H], `w_k` [D, K*H], `w_v` [D, K*H], `w_o` [N*H, D].
+        x: [B, S, D] normalized input.
+        cfg: model shape (`num_heads` N, `num_kv_heads` K, `dim_per_head` H, `rope_theta`).
+        compute_dtype: dtype of the matmuls' inputs.
+
+    Returns:
+        [B, S, D] float32.
+    """
+    B, S, _ = x.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    x = x.astype(compute_dtype)
+    w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
+    q = jnp.einsum("bsd,dh->bsh", x, w["w_q"]).reshape(B, S, N, H)
+    k = jnp.einsum("bsd,dh->bsh", x, w["w_k"]).reshape(B, S, K, H)
+    v = jnp.einsum("bsd,dh->bsh", x, w["w_v"]).reshape(B, S, K, H)
+    q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
+    # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
+    # grouping itself, so K and V are never repeated in memory.
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, S, N, H]
+    return jnp.einsum("bsh,hd->bsd", o.reshape(B, S, N * H), w["w_o"]).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward and loss
+
+
+def _block(
+    cfg: ModelConfig,
+    compute_dtype: jnp.dtype,
+    ep_dispatch: EPDispatch | None,
+    x: jax.Array,
+    layer_and_bias: tuple[dict[str, jax.Array], jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One pre-norm block as a scan step: x [B, S, D] -> (x, this layer's MoE stats)."""
+    layer, bias = layer_and_bias
+    B, S, D = x.shape
+    x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype)
+    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MoE sees a flat [T, D]
+    y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, ep_dispatch)
+    return x + y.reshape(B, S, D), stats
+
+
+def apply(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    router_bias: jax.Array,
+    compute_dtype: jnp.dtype = jnp.float32,
+    *,
+    ep_dispatch: EPDispatch | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token logits.
+
+    Args:
+        params: from `init`.
+        tokens: [B, S] int32.
+        cfg: the model config; `cfg.moe.dispatch` picks the dispatch backend.
+        router_bias: [L, E] from `init_router_bias` or a balancing rule.
+        compute_dtype: jnp.float32 or jnp.bfloat16, for the matmuls only.
+        ep_dispatch: the expert-parallel backend (only with `cfg.moe.dispatch == "ep"`).
+
+    Returns:
+        logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L] and
+        `drop_fraction` [] (dropped / assignments over all layers), all float32.
+    """
+    x = params["embed"][tokens]  # [B, S, D] float32 residual stream
+    block = functools.partial(_block, cfg, compute_dtype, ep_dispatch)
+    x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
+    logits = jnp.einsum(
+        "bsd,dv->bsv", x, params["lm_head"].astype(compute_dtype), preferred_element_type=jnp.float32
+    )
+    aux = {
+        "expert_load": stats["load"],
+        "dropped": stats["dropped"],
+        "assignments": stats["assignments"],
+        "drop_fraction": jnp.sum(stats["dropped"]) / jnp.sum(stats["assignments"]),
+    }
+    return logits, aux
+
+
+def loss(
+    params: Params,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    router_bias: jax.Array,
+    compute_dtype: jnp.dtype = jnp.float32,
+    *,
+    ep_dispatch: EPDispatch | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token cross-entropy plus the optional z-loss.
+
+    loss = mean_{b,s} (lse_{b,s} - logit_{b,s,target}) + cfg.z_loss_weight * mean_{b,s} lse_{b,s}^2,
+    with lse the log-partition of each position's logits.
+
+    Args:
+        params: from `init`.
+        tokens: [B, S+1] int32; positions 0..S-1 are inputs, 1..S the targets.
+        cfg, router_bias, compute_dtype, ep_dispatch: as in `apply`.
+
+    Returns:
+        The scalar loss and aux: `ce` [], `z_loss` [], `ce_per_row` [B] (mean CE of each sequence),
+        plus `apply`'s `expert_load` [L, E], `dropped` [L], `assignments` [L], `drop_fraction` [].
+    """
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, ep_dispatch=ep_dispatch)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
+    ce_tok = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
+    ce = jnp.mean(ce_tok)
+    z_loss = jnp.mean(lse * lse)
+    aux = {**aux, "ce": ce, "z_loss": z_loss, "ce_per_row": jnp.mean(ce_tok, axis=-1)}
+    return ce + cfg.z_loss_weight * z_loss, aux

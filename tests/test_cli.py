@@ -1,0 +1,109 @@
+"""The command line as a user meets it: outputs, JSON, and bad input as exit 2 with one clear message."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moelab import cli
+
+
+def run_cli(args, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["moelab", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_flops_json_has_exactly_the_documented_keys(monkeypatch, capsys):
+    code, out, _ = run_cli(["flops", "--preset", "frontier-535b", "--json"], monkeypatch, capsys)
+    assert code == 0
+    figures = json.loads(out)
+    assert set(figures) == {"total_params", "active_params", "embedding_params", "flops_per_token", "tokens",
+                            "train_flops"}
+    assert round(figures["total_params"] / 1e9) == 535 and round(figures["active_params"] / 1e9) == 23
+
+
+def test_flops_tokens_option_sets_the_token_count(monkeypatch, capsys):
+    code, out, _ = run_cli(["flops", "--preset", "tiny", "--tokens", "1000", "--json"], monkeypatch, capsys)
+    figures = json.loads(out)
+    assert code == 0 and figures["tokens"] == 1000
+    assert figures["train_flops"] == figures["flops_per_token"] * 1000
+
+
+def test_presets_lists_every_preset(monkeypatch, capsys):
+    code, out, _ = run_cli(["presets", "--json"], monkeypatch, capsys)
+    assert code == 0 and {"tiny", "frontier-535b", "ladder-d768", "ladder-d2048"} <= set(json.loads(out))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["flops", "--preset", "nope"], "unknown preset 'nope'"),
+        (["train", "--preset", "tiny", "--set", "model.num_heads=3"], "model.num_heads=3"),
+        (["train", "--preset", "tiny", "--set", "model.num_kv_heads=3"], "model.num_kv_heads=3"),
+        (["train", "--preset", "tiny", "--set", "model.moe.num_experts_per_token=9"], "num_experts_per_token=9"),
+        (["train", "--preset", "tiny", "--set", "model.moe.capacity_factor=0"], "capacity_factor=0"),
+        (["train", "--preset", "tiny", "--set", "model.moe.bogus=1"], "Unknown key model.moe.bogus"),
+        (["train", "--preset", "tiny", "--set", "train.steps"], "section.field=value"),
+        (["train", "--preset", "tiny", "--set", "model.vocab_size=100"], "model.vocab_size=100"),
+        (["train"], "exactly one of CONFIG.yaml or --preset"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, monkeypatch, capsys, tmp_path):
+    out_dir = tmp_path / "out"
+    code, _, err = run_cli([*args, "--out", str(out_dir)] if args[0] == "train" else args, monkeypatch, capsys)
+    assert code == 2
+    assert message in " ".join(err.split())
+    assert "Traceback" not in err
+    assert not out_dir.exists()
+
+
+def test_malformed_and_unknown_key_yaml_exit_2(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    code, _, err = run_cli(["train", str(bad), "--out", str(tmp_path / "o")], monkeypatch, capsys)
+    assert code == 2 and "not valid YAML" in err
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model:\n  d_model: 64\n  widht: 3\n")
+    code, _, err = run_cli(["train", str(unknown), "--out", str(tmp_path / "o")], monkeypatch, capsys)
+    assert code == 2 and "model.widht" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("content, message", [(None, "does not exist"), ("", "empty")])
+def test_missing_or_empty_data_file_exits_2_naming_it(content, message, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "corpus.txt"
+    if content is not None:
+        data.write_text(content)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "data:\n  domains:\n    - {name: mine, kind: files, paths: [" + str(data) + "]}\n"
+        "  phases:\n    - {name: all, fraction: 1.0, weights: {mine: 1.0}}\n"
+    )
+    code, _, err = run_cli(["train", str(cfg), "--out", str(tmp_path / "o")], monkeypatch, capsys)
+    assert code == 2 and "corpus.txt" in err and message in err.lower()
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_command_writes_config_metrics_and_summary(tmp_path):
+    """End to end through the installed entry point, as a user runs it."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "moelab.cli", "train", "--preset", "tiny", "--steps", "4", "--out", str(out),
+         "--set", "train.log_every=2", "--set", "train.eval_batches=1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    for key in ("step", "loss", "lr", "tokens", "grad_norm", "tokens_per_s", "drop_fraction"):
+        assert key in records[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 4 and set(summary["eval"]) == {"code", "prose", "arithmetic"}
+    assert "moe:" in (out / "config.yaml").read_text()

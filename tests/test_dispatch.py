@@ -1,0 +1,227 @@
+"""Every dispatch backend computes the dense reference's function, and `capacity` drops exactly the overflow."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moelab.config import ModelConfig, MoEConfig
+from moelab.model import dispatch as dispatch_lib
+from moelab.model import moe, transformer
+from moelab.model.router import route
+
+BACKENDS = ("capacity", "dropless")
+ROUTER_SCORES = ("sigmoid", "softmax")
+E, K = 4, 2  # experts, top-k
+B, S = 2, 8  # batch, sequence: T = 16 tokens per MoE layer
+
+
+def _cfg(backend: str, router_score: str, latent: bool, shared: bool, capacity_factor: float = E / K) -> ModelConfig:
+    """A tiny model; capacity_factor E / k gives C = T, so `capacity` has room for every assignment."""
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        seq_len=S,
+        moe=MoEConfig(
+            num_experts=E,
+            num_experts_per_token=K,
+            expert_dim=16,
+            num_shared_experts=2 if shared else 0,
+            shared_expert_dim=8,
+            latent_dim=16 if latent else None,
+            router_score=router_score,
+            capacity_factor=capacity_factor,
+            dispatch=backend,
+        ),
+    )
+
+
+def _with_backend(cfg: ModelConfig, backend: str) -> ModelConfig:
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch=backend))
+
+
+def _seed(router_score: str, latent: bool, shared: bool) -> int:
+    """A different, reproducible seed for each configuration (str hashes vary between runs)."""
+    return 4 * ROUTER_SCORES.index(router_score) + 2 * latent + shared
+
+
+def _relative_error(a: jax.Array, b: jax.Array) -> float:
+    """max|a - b| / max|b|.
+
+    Relative to the tensor's largest entry, not elementwise: an entry near zero by cancellation has a
+    huge elementwise relative error from rounding alone. The backends add the same products in
+    different orders (buffers, ragged groups, masked dense sums), so they agree to float32 rounding
+    (~1e-7 per op, ~1e-6 after a few layers), not bit for bit; 1e-5 leaves that margin and still
+    catches any wrong row, weight or expert, which shows up at order 1.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b))
+    if scale == 0.0:
+        return float(np.max(np.abs(a)))
+    return float(np.max(np.abs(a - b)) / scale)
+
+
+def _assert_trees_close(got, want, what: str) -> None:
+    flat_got = jax.tree_util.tree_leaves_with_path(got)
+    flat_want = jax.tree_util.tree_leaves(want)
+    assert len(flat_got) == len(flat_want)
+    for (path, g), w in zip(flat_got, flat_want):
+        err = _relative_error(g, w)
+        assert err < 1e-5, f"{what} {jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+grid = pytest.mark.parametrize(
+    "backend, router_score, latent, shared",
+    [
+        (backend, score, latent, shared)
+        for backend in BACKENDS
+        for score in ROUTER_SCORES
+        for latent in (False, True)
+        for shared in (False, True)
+    ],
+)
+
+
+# Eager (jit disabled): the 16 configurations would each compile a full model forward+backward under
+# jit (~2 s apiece on 2 CPU cores); op by op, XLA compiles each primitive once per shape and the whole
+# grid runs in a few seconds. `test_model.py` exercises the jitted model.
+
+
+@grid
+def test_backend_matches_dense_in_loss_and_every_parameter_gradient(backend, router_score, latent, shared):
+    cfg = _cfg(backend, router_score, latent, shared)
+    k_params, k_tokens, k_bias = jax.random.split(jax.random.key(_seed(router_score, latent, shared)), 3)
+    params = transformer.init(cfg, k_params)
+    tokens = jax.random.randint(k_tokens, (B, S + 1), 0, cfg.vocab_size)
+    # A non-zero bias, so selection differs from plain top-k of the scores in every backend alike.
+    bias = 0.05 * jax.random.normal(k_bias, (cfg.num_layers, E))
+    grad_fn = jax.value_and_grad(transformer.loss, has_aux=True)
+    with jax.disable_jit():
+        (loss, aux), grads = grad_fn(params, tokens, cfg, bias)
+        (ref_loss, ref_aux), ref_grads = grad_fn(params, tokens, _with_backend(cfg, "dense"), bias)
+    assert float(aux["drop_fraction"]) == 0.0
+    np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+    assert _relative_error(loss, ref_loss) < 1e-5
+    _assert_trees_close(grads, ref_grads, "d loss /")
+
+
+@grid
+def test_moe_layer_alone_matches_dense_in_output_and_gradients(backend, router_score, latent, shared):
+    cfg = _cfg(backend, router_score, latent, shared)
+    k_params, k_x, k_bias, k_cot = jax.random.split(jax.random.key(100 + _seed(router_score, latent, shared)), 4)
+    params = moe.init(cfg, k_params)
+    T = B * S
+    x = jax.random.normal(k_x, (T, cfg.d_model))
+    bias = 0.05 * jax.random.normal(k_bias, (E,))
+    cotangent = jax.random.normal(k_cot, (T, cfg.d_model))  # a random projection exercises every output entry
+
+    def objective(params, x, cfg):
+        y, _ = moe.apply(params, x, bias, cfg)
+        return jnp.sum(y * cotangent), y
+
+    grad_fn = jax.grad(objective, argnums=(0, 1), has_aux=True)
+    with jax.disable_jit():
+        grads, y = grad_fn(params, x, cfg)
+        ref_grads, ref_y = grad_fn(params, x, _with_backend(cfg, "dense"))
+    assert _relative_error(y, ref_y) < 1e-5
+    _assert_trees_close(grads, ref_grads, "d out /")
+
+
+def _skewed_moe_layer(router_score: str):
+    """MoE params and inputs where expert 0 outscores the rest for nearly every token."""
+    cfg = _cfg("capacity", router_score, latent=False, shared=False, capacity_factor=1.0)
+    k_params, k_x = jax.random.split(jax.random.key(11))
+    params = moe.init(cfg, k_params)
+    T = 4 * B * S
+    # Inputs with a positive mean and a router column of ones: expert 0's logit is about sum(x) ~ +D.
+    x = jax.random.normal(k_x, (T, cfg.d_model)) + 1.0
+    params["w_router"] = params["w_router"].at[:, 0].add(1.0)
+    return cfg, params, x
+
+
+def _numpy_dropped_mask(expert_idx: np.ndarray, capacity: int) -> np.ndarray:
+    """[T, k] True where an assignment finds its expert already full, taking tokens in order."""
+    seen = np.zeros(E, np.int64)
+    dropped = np.zeros(expert_idx.shape, bool)
+    for t in range(expert_idx.shape[0]):
+        for j in range(expert_idx.shape[1]):
+            e = expert_idx[t, j]
+            dropped[t, j] = seen[e] >= capacity
+            seen[e] += 1
+    return dropped
+
+
+@pytest.mark.parametrize("router_score", ROUTER_SCORES)
+def test_capacity_drops_exactly_the_overflow_of_a_skewed_router(router_score):
+    cfg, params, x = _skewed_moe_layer(router_score)
+    T = x.shape[0]
+    bias = jnp.zeros((E,))
+    routing = route(x, params["w_router"], bias, cfg.moe)
+    idx = np.asarray(routing.expert_idx)
+    C = math.ceil(1.0 * T * K / E)
+    counts = np.bincount(idx.reshape(-1), minlength=E)
+    expected_dropped = int(np.sum(np.maximum(counts - C, 0)))
+    assert counts[0] > C, "the skew should overfill expert 0"
+
+    experts = {name: params[name] for name in ("w_gate", "w_up", "w_down")}
+    out, stats = dispatch_lib.dispatch("capacity", x, routing, experts, cfg.moe.capacity_factor)
+    assert float(stats["dropped"]) == expected_dropped
+    np.testing.assert_array_equal(stats["load"], counts.astype(np.float32))
+    assert float(stats["assignments"]) == T * K
+
+
+@pytest.mark.parametrize("router_score", ROUTER_SCORES)
+def test_capacity_output_equals_dense_with_dropped_assignments_zeroed(router_score):
+    """The later tokens of an overfull expert are the ones dropped, and they add nothing to the output."""
+    cfg, params, x = _skewed_moe_layer(router_score)
+    T = x.shape[0]
+    routing = route(x, params["w_router"], jnp.zeros((E,)), cfg.moe)
+    dropped = _numpy_dropped_mask(np.asarray(routing.expert_idx), math.ceil(T * K / E))
+    assert dropped.any()
+    experts = {name: params[name] for name in ("w_gate", "w_up", "w_down")}
+
+    out, _ = dispatch_lib.capacity(x, routing, experts, capacity_factor=1.0)
+    zeroed = routing._replace(weights=jnp.where(dropped, 0.0, routing.weights))
+    ref, _ = dispatch_lib.dense(x, zeroed, experts)
+    full, _ = dispatch_lib.dense(x, routing, experts)
+    assert _relative_error(out, ref) < 1e-5
+    assert _relative_error(out, full) > 1e-2, "dropping should change the output"
+
+
+def test_dispatch_rejects_a_backend_it_does_not_know():
+    h = jnp.zeros((4, 8))
+    routing = route(h, jnp.zeros((8, E)), jnp.zeros((E,)), MoEConfig(num_experts=E, num_experts_per_token=K))
+    experts = {"w_gate": jnp.zeros((E, 8, 4)), "w_up": jnp.zeros((E, 8, 4)), "w_down": jnp.zeros((E, 4, 8))}
+    with pytest.raises(ValueError, match="not a single-device backend"):
+        dispatch_lib.dispatch("ep", h, routing, experts, 1.0)
+
+
+def test_moe_layer_with_ep_dispatch_and_no_backend_raises_a_clear_error():
+    cfg = _cfg("ep", "sigmoid", latent=False, shared=False)
+    params = moe.init(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="moelab.parallel.ep"):
+        moe.apply(params, jnp.ones((4, cfg.d_model)), jnp.zeros((E,)), cfg)
+
+
+def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
+    cfg = _cfg("ep", "sigmoid", latent=True, shared=False)
+    params = moe.init(cfg, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (B * S, cfg.d_model))
+    calls = []
+
+    def ep_dispatch(h, routing, experts, capacity_factor):
+        calls.append(h.shape)
+        return dispatch_lib.dropless(h, routing, experts)
+
+    y, _ = moe.apply(params, x, jnp.zeros((E,)), cfg, ep_dispatch=ep_dispatch)
+    ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"))
+    assert calls == [(B * S, 16)]  # the latent-width rows
+    assert _relative_error(y, ref) < 1e-5
