@@ -90,16 +90,19 @@ grid = pytest.mark.parametrize(
 )
 
 
-# Eager (jit disabled): the 16 configurations would each compile a full model forward+backward under
-# jit (~2 s apiece on 2 CPU cores); op by op, XLA compiles each primitive once per shape and the whole
-# grid runs in a few seconds. `test_model.py` exercises the jitted model.
+# Eager (jit disabled): under jit each of the 32 model/layer configurations compiles its own
+# forward + backward (~2-3 s apiece on 2 CPU cores). Op by op, XLA compiles each primitive once per
+# shape and the grid shares them: ~15 s of warm-up, then well under a second per case.
+# `test_model.py` runs the model under jit.
 
 
 @grid
 def test_backend_matches_dense_in_loss_and_every_parameter_gradient(backend, router_score, latent, shared):
     cfg = _cfg(backend, router_score, latent, shared)
     k_params, k_tokens, k_bias = jax.random.split(jax.random.key(_seed(router_score, latent, shared)), 3)
-    params = transformer.init(cfg, k_params)
+    # At init the MoE output is ~1% of the residual stream; scaled up, a wrong routed path moves the
+    # loss and every gradient at order 1 instead of 1e-3.
+    params = jax.tree.map(lambda p: 4.0 * p, transformer.init(cfg, k_params))
     tokens = jax.random.randint(k_tokens, (B, S + 1), 0, cfg.vocab_size)
     # A non-zero bias, so selection differs from plain top-k of the scores in every backend alike.
     bias = 0.05 * jax.random.normal(k_bias, (cfg.num_layers, E))
@@ -133,6 +136,27 @@ def test_moe_layer_alone_matches_dense_in_output_and_gradients(backend, router_s
         ref_grads, ref_y = grad_fn(params, x, _with_backend(cfg, "dense"))
     assert _relative_error(y, ref_y) < 1e-5
     _assert_trees_close(grads, ref_grads, "d out /")
+
+
+def test_dense_reference_matches_a_per_token_loop_in_numpy():
+    """The oracle itself, checked against the definition: out[t] = sum_j w[t, j] * expert_{idx[t, j]}(h[t])."""
+    cfg = _cfg("dense", "sigmoid", latent=False, shared=False)
+    params = moe.init(cfg, jax.random.key(3))
+    h = jax.random.normal(jax.random.key(4), (B * S, cfg.d_model))
+    routing = route(h, params["w_router"], jnp.zeros((E,)), cfg.moe)
+    experts = {name: params[name] for name in ("w_gate", "w_up", "w_down")}
+    out, stats = dispatch_lib.dense(h, routing, experts)
+
+    w = {name: np.asarray(a, np.float64) for name, a in experts.items()}
+    hn, idx, weights = np.asarray(h, np.float64), np.asarray(routing.expert_idx), np.asarray(routing.weights)
+    ref = np.zeros_like(hn)
+    for t in range(hn.shape[0]):
+        for j in range(K):
+            e = idx[t, j]
+            gate, up = hn[t] @ w["w_gate"][e], hn[t] @ w["w_up"][e]
+            ref[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w["w_down"][e])
+    assert _relative_error(out, ref) < 1e-5
+    assert float(stats["dropped"]) == 0.0 and float(stats["assignments"]) == B * S * K
 
 
 def _skewed_moe_layer(router_score: str):

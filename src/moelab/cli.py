@@ -51,7 +51,7 @@ def main() -> None:
     except (ConfigError, DataError) as e:
         if os.environ.get("MOELAB_DEBUG"):
             raise
-        err_console.print(f"[bold red]Error:[/] {e}", highlight=False)
+        err_console.print(f"[bold red]Error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -134,6 +134,34 @@ def run_training(cfg: RunConfig, out: Path) -> dict:
 
         hooks = Hooks(on_step=lambda done: progress.update(task, completed=done), on_log=on_log)
         return train(cfg, out, hooks)
+
+
+@app.command()
+def replan(
+    plan: Annotated[Path, typer.Argument(help="The plan: a run config YAML with a `plan` section.")],
+    event: Annotated[str, typer.Option(help="What happened, e.g. devices_lost:step=1200,count=8 or "
+                                            "steps_lost:step=3000,count=500.")],
+    out: Annotated[Optional[Path], typer.Option(help="Where to write the new plan (default: PLAN-replanned.yaml).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-plan a run after lost compute: shrink the budget if the loss came early, else report the delay."""
+    from moelab.config import dump_yaml, to_dict
+    from moelab.train.contingency import comparison_rows, parse_event
+    from moelab.train.contingency import replan as make_replan
+
+    result = make_replan(load_yaml(plan), parse_event(event))
+    target = out if out is not None else plan.with_name(f"{plan.stem}-replanned.yaml")
+    target.write_text(dump_yaml(result.new))
+    if json_out:
+        summary = {k: v for k, v in to_dict(result).items() if k not in ("old", "new")}
+        print(json.dumps({**summary, "new_plan": str(target)}))
+        return
+    table = Table("field", "old", "new", title=f"replan: {result.event.spec} -> rule '{result.rule}'")
+    for row in comparison_rows(result):
+        table.add_row(*row)
+    out_console.print(table)
+    out_console.print(result.explanation)
+    out_console.print(f"New plan written to {target} (train it with `moelab train {target}`).")
 
 
 @app.command()

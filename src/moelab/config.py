@@ -27,6 +27,9 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "MeshConfig",
+    "CheckpointConfig",
+    "MonitorConfig",
+    "PlanConfig",
     "RunConfig",
     "from_dict",
     "to_dict",
@@ -148,6 +151,8 @@ class ModelConfig:
             )
         else:
             _positive_int(p + "head_dim", self.head_dim)
+        _check(self.dim_per_head % 2 == 0, p + "head_dim", self.dim_per_head,
+               "must be even: RoPE rotates pairs of dimensions")
         _check(
             self.num_heads % self.num_kv_heads == 0,
             p + "num_kv_heads",
@@ -303,6 +308,62 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """When to save and what to keep. Saves are atomic; a resume picks the newest valid one."""
+
+    every: int | None = None  # steps between saves; None: only at the end and on SIGTERM / SIGINT
+    keep_last: int = 3  # the newest K are kept
+    keep_every: int | None = None  # also keep every M-th step forever; None keeps no extra ones
+
+    def __post_init__(self) -> None:
+        if self.every is not None:
+            _positive_int("checkpoint.every", self.every)
+        _positive_int("checkpoint.keep_last", self.keep_last)
+        if self.keep_every is not None:
+            _positive_int("checkpoint.keep_every", self.keep_every)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Spike, NaN and ceiling rules that turn trouble into incidents (`train/monitor.py`)."""
+
+    recent_window: int = 5  # steps whose floor (minimum) is compared with the trailing mean
+    trailing_window: int = 50  # steps the mean and sigma are taken over, before the recent window
+    min_jump: float = 0.05  # a spike must exceed the trailing mean by at least this (absolute) ...
+    num_sigmas: float = 6.0  # ... and by this many trailing standard deviations
+    grad_norm_ceiling: float | None = None  # an incident when the global grad norm exceeds it; None: off
+    skip_spikes: bool = False  # drop the update of a step whose loss is above the spike threshold
+
+    def __post_init__(self) -> None:
+        _positive_int("monitor.recent_window", self.recent_window)
+        _positive_int("monitor.trailing_window", self.trailing_window)
+        _check(self.min_jump >= 0, "monitor.min_jump", self.min_jump, "must be >= 0")
+        _check(self.num_sigmas >= 0, "monitor.num_sigmas", self.num_sigmas, "must be >= 0")
+        if self.grad_norm_ceiling is not None:
+            _check(self.grad_norm_ceiling > 0, "monitor.grad_norm_ceiling", self.grad_norm_ceiling, "must be > 0")
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """The compute plan behind the token budget, read by the contingency planner (`moelab replan`).
+
+    The token budget itself is `train.steps x train.batch_size x model.seq_len`; this section says
+    how fast the planned devices train and by when the run must finish.
+    """
+
+    num_devices: int = 1
+    tokens_per_s: float | None = None  # throughput with all num_devices; None: unknown (replan refuses)
+    deadline_hours: float | None = None  # wall clock from the start; None: budget / tokens_per_s exactly
+
+    def __post_init__(self) -> None:
+        _positive_int("plan.num_devices", self.num_devices)
+        if self.tokens_per_s is not None:
+            _check(self.tokens_per_s > 0, "plan.tokens_per_s", self.tokens_per_s, "must be > 0")
+        if self.deadline_hours is not None:
+            _check(self.deadline_hours > 0, "plan.deadline_hours", self.deadline_hours, "must be > 0")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one training run needs."""
 
@@ -311,6 +372,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks: the ones that need two sections at once.
@@ -423,7 +487,10 @@ def load_yaml(path: str | Path) -> RunConfig:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}; "
+                          "fix the syntax (see experiments/*.yaml for examples).") from None
     return from_dict(data)
 
 

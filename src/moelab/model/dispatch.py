@@ -2,7 +2,8 @@
 
 Every backend computes the same function (design §3):
 
-    out[t] = sum_j  weights[t, j] * expert_{idx[t, j]}(h[t]),   expert_e(h) = (silu(h W_gate[e]) * (h W_up[e])) W_down[e]
+    out[t] = sum_j weights[t, j] * expert_{idx[t, j]}(h[t])
+    expert_e(h) = (silu(h W_gate[e]) * (h W_up[e])) W_down[e]            (SwiGLU)
 
 - `dense`: every expert on every token, masked by the combine weights. O(T E) work; the test oracle.
 - `capacity`: sort the T*k assignments by expert, gather them into fixed [E, C, Din] buffers, one
@@ -98,10 +99,9 @@ def dense(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, 
 
 
 def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows per expert buffer: C = ceil(capacity_factor * assignments / E), at most the tokens.
+    """Rows per expert buffer: C = ceil(capacity_factor * assignments / E), at least 1.
 
-    An expert appears at most once in a token's top-k, so it never receives more than T = assignments
-    / k rows; `capacity` caps C at T by itself, this function only applies the formula.
+    The one formula for C; the expert-parallel backend sizes its receiver buffers with it too.
     """
     return max(1, math.ceil(capacity_factor * num_assignments / num_experts))
 
@@ -121,6 +121,8 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
     """
     T, k = routing.expert_idx.shape
     E = experts["w_gate"].shape[0]
+    # An expert is in a token's top-k at most once, so it never gets more than T rows: a larger C
+    # would only add empty buffer rows.
     C = min(expert_capacity(T * k, E, capacity_factor), T)
 
     order, sorted_expert, counts = _sort_by_expert(routing.expert_idx, E)

@@ -109,7 +109,9 @@ def apply(
     m = cfg.moe
     routing = route(x, params["w_router"], bias, m)
 
-    cast = lambda a: a.astype(compute_dtype)  # noqa: E731
+    def cast(a: jax.Array) -> jax.Array:
+        return a.astype(compute_dtype)
+
     xc = cast(x)
     if m.latent_dim is not None:
         h = jnp.einsum("td,dl->tl", xc, cast(params["w_latent_down"]))
