@@ -44,10 +44,25 @@ def resolve_config(config: Path | None, preset: str | None, sets: list[str] | No
     return override(cfg, updates) if updates else cfg
 
 
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; rerun the same command to resume
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    err_console.print(f"[yellow]Warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """Entry point: runs the app and turns bad input into exit code 2 with one clear paragraph."""
+    import warnings
+
+    from moelab.train.loop import Preempted
+
+    warnings.showwarning = _show_warning
     try:
         app(standalone_mode=False)
+    except Preempted as e:
+        err_console.print(f"[bold yellow]Preempted:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_PREEMPTED)
     except (ConfigError, DataError) as e:
         if os.environ.get("MOELAB_DEBUG"):
             raise
@@ -110,9 +125,15 @@ def train(
     steps: Annotated[Optional[int], typer.Option(help="Training steps (overrides train.steps).")] = None,
     out: Annotated[Path, typer.Option(help="Output directory for config, metrics and summary.")] = Path("runs/train"),
     seed: Annotated[Optional[int], typer.Option(help="Seed for init and data order (overrides train.seed).")] = None,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Save a checkpoint every N steps "
+                                                                 "(overrides checkpoint.every).")] = None,
 ) -> None:
-    """Train a model; writes OUT/config.yaml, OUT/metrics.jsonl and OUT/summary.json."""
-    cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed})
+    """Train a model, or resume it if OUT already holds a checkpoint of the same run.
+
+    Writes OUT/config.yaml, metrics.jsonl, incidents.jsonl, checkpoints/ and summary.json.
+    """
+    cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed,
+                                                  "checkpoint.every": checkpoint_every})
     summary = run_training(cfg, out)
     print(json.dumps(summary))
 

@@ -12,7 +12,10 @@ is checked before `OUT` is created, so bad input leaves nothing half-written.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from moelab.config import ConfigError, RunConfig, dump_yaml
+from moelab.config import ConfigError, RunConfig, dump_yaml, load_yaml, to_dict
 from moelab.data.mixture import Corpus, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import transformer
+from moelab.train.checkpoint import Checkpointer
+from moelab.train.monitor import Monitor, group_norms, router_bias_norms
 from moelab.train.schedule import learning_rate
 from moelab.train.state import TrainState, init_state, make_optimizer
 
-__all__ = ["Hooks", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus", "train"]
+__all__ = ["Hooks", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus", "config_changes",
+           "check_resumable", "train"]
 
 # Metric names are a contract: reports and tests read these keys from metrics.jsonl.
 STEP_METRICS = ("loss", "ce", "lr", "grad_norm", "drop_fraction")
@@ -39,20 +45,34 @@ def compute_dtype(cfg: RunConfig) -> jnp.dtype:
     return jnp.bfloat16 if cfg.train.compute_dtype == "bfloat16" else jnp.float32
 
 
-def make_train_step(cfg: RunConfig) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """A jitted `step(state, tokens [B, S+1]) -> (state, metrics)`; the old state's buffers are donated."""
+def make_train_step(cfg: RunConfig) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
+    """A jitted `step(state, tokens [B, S+1], loss_ceiling [] = inf) -> (state, metrics)`.
+
+    The old state's buffers are donated. With `monitor.skip_spikes`, a step whose loss exceeds
+    `loss_ceiling` (the monitor's spike threshold; +inf while it has too little history) keeps the old
+    params and optimizer state, decided on device so no host sync is needed.
+    """
     tx = make_optimizer(cfg.train)
     schedule = learning_rate(cfg.train)
     dtype = compute_dtype(cfg)
 
-    def step(state: TrainState, tokens: jax.Array) -> tuple[TrainState, dict]:
+    def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
         def loss_fn(params):
             return transformer.loss(params, tokens, cfg.model, state.router_bias, dtype)
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        skipped = jnp.logical_and(cfg.monitor.skip_spikes, loss > loss_ceiling)
+        if cfg.monitor.skip_spikes:
+            params, opt_state = jax.tree.map(lambda old, new: jnp.where(skipped, old, new),
+                                             (state.params, state.opt_state), (params, opt_state))
         metrics = {
+            "skipped": skipped.astype(jnp.float32),
+            **group_norms(state.params, "params"),
+            **group_norms(grads, "grads"),
+            **group_norms(updates, "updates"),
+            **router_bias_norms(state.router_bias),
             "loss": loss,
             "ce": aux["ce"],
             "lr": schedule(state.step),
@@ -108,46 +128,138 @@ def _jsonable(metrics: dict) -> dict:
     return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
 
 
-def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> dict:
-    """Train `cfg` from scratch and write config, metrics and summary to `out_dir`.
+# Fields a resume may change: they alter neither the model nor the data stream already consumed.
+# `train.steps` moves the WSD decay and phase boundaries of the steps still to come (the contingency
+# planner relies on that); a new mesh re-shards the same arrays.
+RESUME_SAFE = ("name", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+               "checkpoint.", "monitor.", "plan.", "mesh.")
 
-    Returns the summary: final `step`, `loss`, `eval` per domain, `eval_initial` per domain,
-    `tokens` and `tokens_per_s`.
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data and all(isinstance(k, str) for k in data):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """Fields whose value differs between two configs, as {dotted.field: (old, new)}."""
+    a, b = _flatten(to_dict(old)), _flatten(to_dict(new))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def check_resumable(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """The safe changes between a run's saved config and the one resuming it; ConfigError if any is unsafe."""
+    changes = config_changes(old, new)
+    unsafe = [k for k in changes if not k.startswith(RESUME_SAFE)]
+    if unsafe:
+        listed = "; ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in unsafe)
+        raise ConfigError(
+            f"cannot resume with a config that changes the model or the data stream ({listed}). "
+            "Undo these changes, or train into a new --out directory."
+        )
+    return changes
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM / SIGINT after saving a checkpoint; rerun the same command to resume."""
+
+    def __init__(self, step: int, path: Path):
+        super().__init__(f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume.")
+        self.step = step
+
+
+@contextlib.contextmanager
+def _stop_requests():
+    """Turns SIGTERM / SIGINT into a flag the loop checks between steps (main thread only)."""
+    requested = {"signal": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+
+    def handler(signum, _frame):
+        requested["signal"] = signum
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield requested
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _read_jsonl_until(path: Path, step: int) -> list[str]:
+    """Lines of a JSONL log whose `step` is at most `step`: what survives a resume from `step`."""
+    if not path.is_file():
+        return []
+    return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+
+
+def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> dict:
+    """Train `cfg` into `out_dir`, resuming from its newest valid checkpoint if there is one.
+
+    Writes `config.yaml`, `metrics.jsonl`, `incidents.jsonl`, `checkpoints/`, `summary.json` (and
+    `resumes.jsonl` on a resume). Returns the summary: final `step`, `loss`, `eval` and `eval_initial`
+    per domain, `tokens`, `tokens_per_s`, `incidents`. Raises Preempted on SIGTERM / SIGINT.
     """
     hooks = hooks or Hooks()
-    corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
     out = Path(out_dir)
+    changes = check_resumable(load_yaml(out / "config.yaml"), cfg) if (out / "config.yaml").is_file() else {}
+    corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_yaml(cfg))
 
     t, m = cfg.train, cfg.model
     eval_sets = {d: eval_batches(corpus, d, t.eval_batches, t.batch_size, m.seq_len) for d in corpus.domains}
     state = init_state(cfg)
     train_step, eval_step = make_train_step(cfg), make_eval_step(cfg)
     tokens_per_step = t.batch_size * m.seq_len
-
-    initial_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
-    last_eval = initial_eval
-    if hooks.on_eval:
+    checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
+    restored = checkpoints.restore_newest(like=state)
+    start = 0
+    if restored is not None:
+        state, start = restored.state, restored.step
+        initial_eval = restored.meta["eval_initial"]
+        with open(out / "resumes.jsonl", "a") as f:
+            f.write(json.dumps({"step": start, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+    else:
+        initial_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    if hooks.on_eval and start == 0:
         hooks.on_eval(0, initial_eval)
 
+    def save(step: int) -> Path:
+        return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": initial_eval})
+
+    last_eval, record, tokens_per_s = initial_eval, {}, 0.0
+    monitor, incidents = Monitor(cfg.monitor), []
+    kept_metrics = _read_jsonl_until(out / "metrics.jsonl", start)  # a resume redoes the steps after `start`
+    kept_incidents = _read_jsonl_until(out / "incidents.jsonl", start)
     window_start, window_steps = time.perf_counter(), 0
-    tokens_per_s = 0.0
-    record: dict = {}
-    with open(out / "metrics.jsonl", "w") as log:
-        for step in range(t.steps):
-            phase_index, phase = phase_at(cfg.data, step, t.steps)
+    with open(out / "metrics.jsonl", "w") as log, open(out / "incidents.jsonl", "w") as incident_log, \
+            _stop_requests() as stop:
+        log.writelines(line + "\n" for line in kept_metrics)
+        incident_log.writelines(line + "\n" for line in kept_incidents)
+        for step in range(start, t.steps):
+            _, phase = phase_at(cfg.data, step, t.steps)
             batch = sample_batch(corpus, phase.weights, t.seed, step, t.batch_size, m.seq_len)
-            state, metrics = train_step(state, jnp.asarray(batch.tokens))
+            ceiling = jnp.float32(monitor.loss_ceiling())
+            state, metrics = train_step(state, jnp.asarray(batch.tokens), ceiling)
+            scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
             window_steps += 1
             done = step + 1
+            new_incidents = [i.to_json() for i in monitor.observe(done, scalars)]
+            for incident in new_incidents:
+                incident_log.write(json.dumps(incident) + "\n")
+            incidents += new_incidents
             is_eval = done % t.eval_every == 0 or done == t.steps
-            if done % t.log_every == 0 or is_eval:
-                metrics = jax.device_get(metrics)  # the one host sync per logged step
-                now = time.perf_counter()
-                tokens_per_s = window_steps * tokens_per_step / (now - window_start)
-                record = {"step": done, **_jsonable(metrics), "tokens": done * tokens_per_step,
+            if done % t.log_every == 0 or is_eval or new_incidents:
+                tokens_per_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
+                record = {"step": done, **scalars, "tokens": done * tokens_per_step,
                           "tokens_per_s": tokens_per_s, "phase": phase.name}
+                if new_incidents:
+                    record["incidents"] = new_incidents
                 if is_eval:
                     last_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
                     record.update({f"eval/{d}": v for d, v in last_eval.items()})
@@ -155,11 +267,20 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> di
                         hooks.on_eval(done, last_eval)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
+                incident_log.flush()
                 if hooks.on_log:
                     hooks.on_log(record)
                 window_start, window_steps = time.perf_counter(), 0
+            every = cfg.checkpoint.every
+            if stop["signal"] is not None or done == t.steps or (every and done % every == 0):
+                path = save(done)
+                if stop["signal"] is not None and done < t.steps:
+                    log.flush()
+                    checkpoints.close()
+                    raise Preempted(done, path)
             if hooks.on_step:
                 hooks.on_step(done)
+    checkpoints.close()
 
     summary = {
         "step": t.steps,
@@ -168,6 +289,8 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> di
         "eval_initial": initial_eval,
         "tokens": t.steps * tokens_per_step,
         "tokens_per_s": tokens_per_s,
+        "incidents": len(kept_incidents) + len(incidents),
+        "resumed_from": start or None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
