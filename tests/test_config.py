@@ -124,3 +124,17 @@ def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         TrainConfig().lr = 1.0  # type: ignore[misc]
     assert isinstance(RunConfig().model, ModelConfig)
+
+
+@pytest.mark.parametrize("latent, shared", [(None, 0), (16, 0), (None, 2), (16, 2)])
+def test_accounting_total_equals_the_parameters_the_model_initializes(latent, shared):
+    import jax
+    import numpy as np
+
+    from moelab.model import transformer
+
+    cfg = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=8,
+                      moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=24,
+                                    num_shared_experts=shared, shared_expert_dim=12, latent_dim=latent))
+    params = transformer.init(cfg, jax.random.key(0))
+    assert accounting.count_params(cfg).total == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
