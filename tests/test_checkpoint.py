@@ -1,7 +1,6 @@
 """Checkpoints: exact resume after SIGKILL, fallback past a corrupted newest step, resume policy."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -6,18 +6,8 @@ import sys
 
 import pytest
 
-from moelab import cli
+from helpers import run_cli
 
-
-def run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["moelab", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_flops_json_has_exactly_the_documented_keys(monkeypatch, capsys):
@@ -105,5 +95,5 @@ def test_train_command_writes_config_metrics_and_summary(tmp_path):
     for key in ("step", "loss", "lr", "tokens", "grad_norm", "tokens_per_s", "drop_fraction"):
         assert key in records[-1]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["step"] == 4 and set(summary["eval"]) == {"code", "prose", "arithmetic"}
+    assert summary["step"] == 4 and set(summary["eval"]) == {"code", "prose", "arithmetic", "mean"}
     assert "moe:" in (out / "config.yaml").read_text()

@@ -3,6 +3,7 @@
     moelab presets                                   list the named configs
     moelab flops --preset frontier-535b --json       parameter counts and training FLOPs
     moelab train --preset tiny --steps 100 --out runs/tiny --set train.lr=1e-3
+    moelab train --preset tiny --mesh replica=2,expert=4    expert parallel over 2 x 4 devices
     moelab demo                                      the demo `make demo` runs
 
 Exit codes: 0 success, 1 a run failed, 2 bad input (one paragraph on stderr naming the field, the
@@ -18,30 +19,17 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from moelab import accounting, presets
-from moelab.config import ConfigError, DataError, RunConfig, load_yaml, override, parse_overrides
+from moelab._cli_utils import ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
+from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yaml, override
+from moelab.lab.cli import lab_app
+from moelab.ladder.cli import ladder_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
-out_console = Console()
-err_console = Console(stderr=True)
-
-PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="A named config, e.g. tiny (see `moelab presets`).")]
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="A run config YAML (instead of --preset).", show_default=False)]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a field, e.g. --set model.d_model=256 (repeatable).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
-
-
-def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, **fields) -> RunConfig:
-    """The run config from exactly one of a YAML file or a preset, with overrides applied."""
-    if (config is None) == (preset is None):
-        raise ConfigError("give exactly one of CONFIG.yaml or --preset NAME, e.g. `moelab train --preset tiny`.")
-    cfg = load_yaml(config) if config is not None else presets.get(preset)
-    updates = parse_overrides(sets or [])
-    updates.update({k: v for k, v in fields.items() if v is not None})
-    return override(cfg, updates) if updates else cfg
+app.add_typer(lab_app, name="lab")
+app.add_typer(ladder_app, name="ladder")
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; rerun the same command to resume
@@ -55,11 +43,11 @@ def main() -> None:
     """Entry point: runs the app and turns bad input into exit code 2 with one clear paragraph."""
     import warnings
 
-    from moelab.train.loop import Preempted
-
     warnings.showwarning = _show_warning
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # returns a typer.Exit's code instead of raising it
+        if code:
+            sys.exit(code)
     except Preempted as e:
         err_console.print(f"[bold yellow]Preempted:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_PREEMPTED)
@@ -68,8 +56,6 @@ def main() -> None:
             raise
         err_console.print(f"[bold red]Error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         err_console.print("Aborted.")
         sys.exit(130)
@@ -127,18 +113,51 @@ def train(
     seed: Annotated[Optional[int], typer.Option(help="Seed for init and data order (overrides train.seed).")] = None,
     checkpoint_every: Annotated[Optional[int], typer.Option(help="Save a checkpoint every N steps "
                                                                  "(overrides checkpoint.every).")] = None,
+    mesh: Annotated[Optional[str], typer.Option(
+        help="Device mesh, e.g. replica=2,expert=4: data parallel over replicas, experts sharded over `expert` "
+             "devices (expert > 1 also selects the ep dispatch backend). Sets mesh.replica / mesh.expert.")] = None,
+    predicted: Annotated[Optional[Path], typer.Option(
+        help="A PRED.csv from `moelab ladder run/fit`: check each eval against its 95% band (off_track incidents).")] = None,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
 
-    Writes OUT/config.yaml, metrics.jsonl, incidents.jsonl, checkpoints/ and summary.json.
+    Writes OUT/config.yaml, metrics.jsonl, incidents.jsonl, checkpoints/ and summary.json. Multi-host:
+    start one process per host with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set
+    (or under Slurm / Open MPI); see the README.
     """
+    from moelab.parallel.mesh import initialize_distributed
+
+    initialize_distributed()  # before anything touches a device; a no-op for one process
     cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed,
-                                                  "checkpoint.every": checkpoint_every})
-    summary = run_training(cfg, out)
+                                                  "checkpoint.every": checkpoint_every, **_mesh_fields(mesh)})
+    if predicted is not None and not predicted.is_file():
+        raise ConfigError(f"--predicted {predicted} does not exist; write it with `moelab ladder run` or `ladder fit`.")
+    summary = run_training(cfg, out, predicted)
     print(json.dumps(summary))
 
 
-def run_training(cfg: RunConfig, out: Path) -> dict:
+def _mesh_fields(spec: str | None) -> dict:
+    """`--mesh replica=2,expert=4` as config overrides; expert > 1 also selects dispatch 'ep'."""
+    if spec is None:
+        return {}
+    example = "e.g. --mesh replica=2,expert=4"
+    fields = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("replica", "expert") or key in fields:
+            raise ConfigError(f"--mesh {spec!r} must name replica and/or expert once each as key=value, {example}.")
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"--mesh {key}={value!r} is invalid: must be an integer >= 1, {example}.") from None
+    updates = {f"mesh.{key}": value for key, value in fields.items()}
+    if fields.get("expert", 1) > 1:
+        updates["model.moe.dispatch"] = "ep"
+    return updates
+
+
+def run_training(cfg: RunConfig, out: Path, predicted: Path | None = None) -> dict:
     """Train with a Rich progress bar on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -154,7 +173,7 @@ def run_training(cfg: RunConfig, out: Path) -> dict:
             progress.update(task, status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
 
         hooks = Hooks(on_step=lambda done: progress.update(task, completed=done), on_log=on_log)
-        return train(cfg, out, hooks)
+        return train(cfg, out, hooks, predicted)
 
 
 @app.command()

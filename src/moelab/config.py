@@ -20,6 +20,7 @@ import yaml
 __all__ = [
     "ConfigError",
     "DataError",
+    "Preempted",
     "MoEConfig",
     "ModelConfig",
     "DomainConfig",
@@ -48,6 +49,14 @@ class DataError(ValueError):
     """Input data is missing, empty or malformed; the message names the file and the fix."""
 
 
+class Preempted(Exception):
+    """Training stopped on SIGTERM / SIGINT after saving a checkpoint; rerun the same command to resume."""
+
+    def __init__(self, step: int, path: Path):
+        super().__init__(f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume.")
+        self.step = step
+
+
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: {allowed}.")
@@ -67,7 +76,7 @@ def _one_of(name: str, value: Any, options: tuple[str, ...]) -> None:
 
 DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "ep")
 ROUTER_SCORES = ("sigmoid", "softmax")
-BALANCERS = ("none",)
+BALANCERS = ("none", "exact", "hist", "sign", "aux")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -86,8 +95,16 @@ class MoEConfig:
     routed_scaling: float = 1.0  # the combine weights then sum to this
     capacity_factor: float = 1.15
     dispatch: str = "capacity"
-    balancing: str = "none"
+    balancing: str = "none"  # none | exact / hist (quantile bias) | sign (bias step) | aux (loss term)
+    balance_rate: float | None = None  # exact / hist: weight of the new bias target; None: (E - 1) / E
+    hist_bins: int = 256  # hist: histogram bins per expert over the live range of the margins
+    sign_gamma: float = 1e-3  # sign: bias change per step
+    aux_loss_weight: float = 1e-2  # aux: weight of the Switch load-balancing loss, per layer
     num_waves: int = 1  # static expert waves in the `ep` all-to-all
+    transport_capacity_factor: float | None = None
+    """`ep` only: the rows each device may send one expert shard per wave, as a multiple of the fair
+    share; past it, rows are dropped at the sender. None: the same as `capacity_factor`, which in
+    `ep` sizes the receiving experts' buffers."""
 
     def __post_init__(self) -> None:
         p = "model.moe."
@@ -115,7 +132,28 @@ class MoEConfig:
         )
         _one_of(p + "dispatch", self.dispatch, DISPATCH_BACKENDS)
         _one_of(p + "balancing", self.balancing, BALANCERS)
+        if self.balancing in ("exact", "hist"):
+            _check(
+                self.num_experts_per_token < self.num_experts,
+                p + "balancing",
+                self.balancing,
+                f"quantile balancing needs top-k < num_experts={self.num_experts} (with every expert chosen "
+                "there is nothing to balance); use balancing 'none'",
+            )
+        if self.balance_rate is not None:
+            _check(0 < self.balance_rate <= 1, p + "balance_rate", self.balance_rate, "must be in (0, 1], or null")
+        _check(isinstance(self.hist_bins, int) and self.hist_bins >= 2, p + "hist_bins", self.hist_bins,
+               "must be an integer >= 2")
+        _check(self.sign_gamma > 0, p + "sign_gamma", self.sign_gamma, "must be > 0")
+        _check(self.aux_loss_weight >= 0, p + "aux_loss_weight", self.aux_loss_weight, "must be >= 0")
         _positive_int(p + "num_waves", self.num_waves)
+        if self.transport_capacity_factor is not None:
+            _check(
+                isinstance(self.transport_capacity_factor, (int, float)) and self.transport_capacity_factor > 0,
+                p + "transport_capacity_factor",
+                self.transport_capacity_factor,
+                "must be > 0, or null to use model.moe.capacity_factor",
+            )
 
     @property
     def shared_dim(self) -> int:

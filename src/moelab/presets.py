@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 
-__all__ = ["PRESETS", "get", "describe", "ladder_model"]
+__all__ = ["PRESETS", "FRONTIER_LADDER", "LADDERS", "get", "describe"]
 
 FRONTIER_TOKENS = 18_750_000_000_000
 FRONTIER_VOCAB = 128_256
@@ -36,74 +36,59 @@ def _tiny() -> RunConfig:
             latent_dim=32,
             capacity_factor=1.15,
             dispatch="capacity",
+            balancing="hist",
         ),
     )
     train = TrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=30, eval_every=100, log_every=10)
     return RunConfig(name="tiny", model=model, train=train)
 
 
-def _frontier_moe(d_model: int) -> MoEConfig:
-    """The frontier routing geometry at width d: 384 experts top-8 at d/2 in a d/2 latent, 2 shared."""
-    half = d_model // 2
-    return MoEConfig(
-        num_experts=384,
-        num_experts_per_token=8,
-        expert_dim=half,
-        num_shared_experts=2,
-        shared_expert_dim=half,
-        latent_dim=half,
-        capacity_factor=1.15,
-        num_waves=3,
-        dispatch="capacity",
-    )
-
-
-def ladder_model(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int) -> ModelConfig:
-    """A model of the frontier recipe at another width: head dim 128, same routing geometry."""
-    return ModelConfig(
+def _frontier() -> RunConfig:
+    half = 6144 // 2
+    model = ModelConfig(
         vocab_size=FRONTIER_VOCAB,
-        d_model=d_model,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        d_model=6144,
+        num_layers=48,
+        num_heads=48,
+        num_kv_heads=12,
         head_dim=128,
         seq_len=FRONTIER_SEQ,
-        moe=_frontier_moe(d_model),
+        moe=MoEConfig(num_experts=384, num_experts_per_token=8, expert_dim=half, num_shared_experts=2,
+                      shared_expert_dim=half, latent_dim=half, capacity_factor=1.15, num_waves=3,
+                      dispatch="capacity", balancing="hist"),
     )
-
-
-def _frontier() -> RunConfig:
     steps = math.ceil(FRONTIER_TOKENS / (FRONTIER_BATCH * FRONTIER_SEQ))
     return RunConfig(
         name="frontier-535b",
-        model=ladder_model(6144, 48, 48, 12),
+        model=model,
         train=TrainConfig(steps=steps, batch_size=FRONTIER_BATCH, lr=3e-4, warmup_steps=2000, eval_every=1000),
         mesh=MeshConfig(replica=1, expert=64),
     )
 
 
-def _ladder(d_model: int, num_layers: int, num_heads: int, num_kv_heads: int) -> RunConfig:
-    """A ladder rung trained on the frontier's tokens per active parameter."""
-    from moelab.accounting import count_params  # accounting imports config only; no cycle
+# The frontier's published ladder: (d_model, num_layers) per rung; heads follow from head dim 128.
+FRONTIER_LADDER = ((768, 8), (1024, 12), (1536, 16), (2048, 22))
 
-    frontier = _frontier()
-    model = ladder_model(d_model, num_layers, num_heads, num_kv_heads)
-    ratio = FRONTIER_TOKENS / count_params(frontier.model).active
-    batch = 256
-    steps = max(1, round(ratio * count_params(model).active / (batch * FRONTIER_SEQ)))
-    train = TrainConfig(steps=steps, batch_size=batch, lr=1e-3, warmup_steps=min(500, steps), eval_every=500)
-    return RunConfig(name=f"ladder-d{d_model}", model=model, train=train)
+
+def _ladder(d_model: int, num_layers: int) -> RunConfig:
+    """A rung of the frontier recipe at the frontier's tokens per active parameter (`ladder.rungs`)."""
+    from moelab.ladder.rungs import make_rung  # rungs reads presets lazily; no import cycle
+
+    return make_rung(_frontier(), d_model, num_layers, batch_size=256, lr=1e-3)
 
 
 PRESETS = {
     "tiny": (_tiny, "CPU-sized MoE for tests and the demo: d 64, 2 layers, 8 experts top-2, latent 32, 1 shared."),
     "frontier-535b": (_frontier, "The 535B-total / 23B-active target: d 6144, 48 layers, 384 experts top-8, "
                                  "latent 3072, 2 shared, 18.75T tokens."),
-    "ladder-d768": (lambda: _ladder(768, 8, 6, 1), "Ladder rung of the frontier recipe: d 768, 8 layers, 6 heads."),
-    "ladder-d1024": (lambda: _ladder(1024, 12, 8, 2), "Ladder rung of the frontier recipe: d 1024, 12 layers, 8 heads."),
-    "ladder-d1536": (lambda: _ladder(1536, 16, 12, 3), "Ladder rung of the frontier recipe: d 1536, 16 layers, 12 heads."),
-    "ladder-d2048": (lambda: _ladder(2048, 22, 16, 4), "Ladder rung of the frontier recipe: d 2048, 22 layers, 16 heads."),
+    **{f"ladder-d{d}": (lambda d=d, layers=layers: _ladder(d, layers),
+                        f"Ladder rung of the frontier recipe: d {d}, {layers} layers, {d // 128} heads.")
+       for d, layers in FRONTIER_LADDER},
 }
+
+
+# Presets with a published ladder: rung shapes and the rungs' batch size (`moelab ladder plan --preset`).
+LADDERS = {"frontier-535b": (FRONTIER_LADDER, 256)}
 
 
 def get(name: str) -> RunConfig:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import dispatch as dispatch_lib
+from moelab.model import router as router_lib
 from moelab.model.router import Routing, route
 
 __all__ = ["init", "apply", "rms_norm"]
@@ -104,7 +105,8 @@ def apply(
         ep_dispatch: the expert-parallel backend, required when `cfg.moe.dispatch == "ep"`.
 
     Returns:
-        y [T, D] float32 and stats: `load` [E], `dropped` [], `assignments` [].
+        y [T, D] float32 and stats: `load` [E], `dropped` [], `assignments` [], `entropy` [] (the
+        routing entropy), plus what the balancing rule measures (`router_lib.Balancer.measure`).
     """
     m = cfg.moe
     routing = route(x, params["w_router"], bias, m)
@@ -139,4 +141,6 @@ def apply(
         gate = jnp.einsum("td,df->tf", xc, cast(params["w_shared_gate"]))
         up = jnp.einsum("td,df->tf", xc, cast(params["w_shared_up"]))
         y = y + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, cast(params["w_shared_down"])).astype(jnp.float32)
+    stats = {**stats, "entropy": router_lib.routing_entropy(jax.lax.stop_gradient(routing.scores)),
+             **router_lib.balancer(m).measure(routing, bias)}
     return y, stats

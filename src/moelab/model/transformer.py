@@ -160,8 +160,9 @@ def apply(
         ep_dispatch: the expert-parallel backend (only with `cfg.moe.dispatch == "ep"`).
 
     Returns:
-        logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L] and
-        `drop_fraction` [] (dropped / assignments over all layers), all float32.
+        logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L],
+        `drop_fraction` [] (dropped / assignments over all layers), `router_entropy` [L],
+        `balance_loss` [] and, under quantile balancing, `bias_target` [L, E]; all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
     block = functools.partial(_block, cfg, compute_dtype, ep_dispatch)
@@ -175,7 +176,12 @@ def apply(
         "dropped": stats["dropped"],
         "assignments": stats["assignments"],
         "drop_fraction": jnp.sum(stats["dropped"]) / jnp.sum(stats["assignments"]),
+        "router_entropy": stats["entropy"],
+        # The balancing rule's loss term (`aux` rule), summed over layers; 0 for the bias rules.
+        "balance_loss": jnp.sum(stats["balance_loss"]) if "balance_loss" in stats else jnp.zeros((), jnp.float32),
     }
+    if "bias_target" in stats:  # quantile balancing: this step's target bias per layer, for the next step
+        aux["bias_target"] = stats["bias_target"]
     return logits, aux
 
 
@@ -188,10 +194,12 @@ def loss(
     *,
     ep_dispatch: EPDispatch | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Next-token cross-entropy plus the optional z-loss.
+    """Next-token cross-entropy plus the optional z-loss and the balancing loss.
 
-    loss = mean_{b,s} (lse_{b,s} - logit_{b,s,target}) + cfg.z_loss_weight * mean_{b,s} lse_{b,s}^2,
-    with lse the log-partition of each position's logits.
+    loss = mean_{b,s} (lse_{b,s} - logit_{b,s,target}) + cfg.z_loss_weight * mean_{b,s} lse_{b,s}^2
+           + balance_loss,
+    with lse the log-partition of each position's logits and balance_loss the `aux` balancing rule's
+    term (0 under every other rule, so the bias rules leave the loss and its gradients untouched).
 
     Args:
         params: from `init`.
@@ -200,7 +208,7 @@ def loss(
 
     Returns:
         The scalar loss and aux: `ce` [], `z_loss` [], `ce_per_row` [B] (mean CE of each sequence),
-        plus `apply`'s `expert_load` [L, E], `dropped` [L], `assignments` [L], `drop_fraction` [].
+        plus everything in `apply`'s aux.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, ep_dispatch=ep_dispatch)
@@ -209,4 +217,4 @@ def loss(
     ce = jnp.mean(ce_tok)
     z_loss = jnp.mean(lse * lse)
     aux = {**aux, "ce": ce, "z_loss": z_loss, "ce_per_row": jnp.mean(ce_tok, axis=-1)}
-    return ce + cfg.z_loss_weight * z_loss, aux
+    return ce + cfg.z_loss_weight * z_loss + aux["balance_loss"], aux

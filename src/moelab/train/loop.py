@@ -25,14 +25,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moelab.config import ConfigError, RunConfig, dump_yaml, load_yaml, to_dict
+from moelab.config import ConfigError, Preempted, RunConfig, dump_yaml, load_yaml, to_dict
 from moelab.data.mixture import Corpus, build_corpus, eval_batches, phase_at, sample_batch
-from moelab.model import transformer
+from moelab.model import router, transformer
+from moelab.parallel import ep
+from moelab.parallel import mesh as mesh_lib
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.monitor import Monitor, group_norms, router_bias_norms
+from moelab.train.monitor import Incident, Monitor, group_norms, router_bias_norms
 from moelab.train.schedule import learning_rate
-from moelab.train.state import TrainState, init_state, make_optimizer
+from moelab.train.state import TrainState, init_sharded_state, make_optimizer, state_shardings
 
 __all__ = ["Hooks", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus", "config_changes",
            "check_resumable", "train"]
@@ -45,20 +48,31 @@ def compute_dtype(cfg: RunConfig) -> jnp.dtype:
     return jnp.bfloat16 if cfg.train.compute_dtype == "bfloat16" else jnp.float32
 
 
-def make_train_step(cfg: RunConfig) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
+def _ep_dispatch(cfg: RunConfig, mesh: Mesh | None) -> ep.EPDispatch | None:
+    """The expert-parallel backend bound to `mesh` (built from `cfg.mesh` if None) under dispatch 'ep'."""
+    if cfg.model.moe.dispatch != "ep":
+        return None
+    return ep.make_dispatch(mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh), cfg.model.moe)
+
+
+def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
+                    ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
     """A jitted `step(state, tokens [B, S+1], loss_ceiling [] = inf) -> (state, metrics)`.
 
     The old state's buffers are donated. With `monitor.skip_spikes`, a step whose loss exceeds
     `loss_ceiling` (the monitor's spike threshold; +inf while it has too little history) keeps the old
-    params and optimizer state, decided on device so no host sync is needed.
+    params and optimizer state, decided on device so no host sync is needed. With a `mesh`, the new
+    state keeps the shardings of `state_shardings` (experts over "expert", the rest replicated).
     """
     tx = make_optimizer(cfg.train)
     schedule = learning_rate(cfg.train)
     dtype = compute_dtype(cfg)
+    balancer = router.balancer(cfg.model.moe)
+    ep_dispatch = _ep_dispatch(cfg, mesh)
 
     def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
         def loss_fn(params):
-            return transformer.loss(params, tokens, cfg.model, state.router_bias, dtype)
+            return transformer.loss(params, tokens, cfg.model, state.router_bias, dtype, ep_dispatch=ep_dispatch)
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -80,28 +94,41 @@ def make_train_step(cfg: RunConfig) -> Callable[[TrainState, jax.Array, jax.Arra
             "drop_fraction": aux["drop_fraction"],
             "expert_load": aux["expert_load"],
         }
-        return TrainState(params, opt_state, state.router_bias, state.step + 1), metrics
+        # Balancing: step t's statistics give the bias of step t+1. It is not rolled back with a
+        # skipped step: the routing statistics of a spiking batch are as valid as any other's.
+        router_bias = balancer.update(state.router_bias, aux)
+        router_load = router.update_load_ema(state.router_load, aux["expert_load"])
+        metrics |= router.router_metrics(aux, state.router_bias, router_load)
+        return TrainState(params, opt_state, router_bias, state.step + 1, router_load), metrics
 
-    return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings(cfg, mesh), None))
 
 
-def make_eval_step(cfg: RunConfig) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """A jitted `eval(params, router_bias, tokens) -> mean CE per row [B]`."""
     dtype = compute_dtype(cfg)
+    ep_dispatch = _ep_dispatch(cfg, mesh)
 
     def eval_step(params, router_bias, tokens):
-        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype)
+        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, ep_dispatch=ep_dispatch)
         return aux["ce_per_row"]
 
-    return jax.jit(eval_step)
+    # Replicated, so every process can read it into numpy on a multi-host mesh.
+    return jax.jit(eval_step, out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()))
 
 
 def evaluate(eval_step, params, router_bias, eval_sets: dict[str, list[np.ndarray]]) -> dict[str, float]:
-    """Mean held-out cross-entropy (nats/token) per domain."""
-    return {
+    """Mean held-out cross-entropy (nats/token) per domain, plus `mean`: their unweighted mean.
+
+    `mean` is the one loss the ladder fits, predictions and reports use for a checkpoint.
+    """
+    per_domain = {
         domain: float(np.mean([np.mean(eval_step(params, router_bias, b)) for b in batches]))
         for domain, batches in eval_sets.items()
     }
+    return {**per_domain, "mean": float(np.mean(list(per_domain.values())))}
 
 
 def prepare_corpus(cfg: RunConfig) -> Corpus:
@@ -163,14 +190,6 @@ def check_resumable(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]
     return changes
 
 
-class Preempted(Exception):
-    """Training stopped on SIGTERM / SIGINT after saving a checkpoint; rerun the same command to resume."""
-
-    def __init__(self, step: int, path: Path):
-        super().__init__(f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume.")
-        self.step = step
-
-
 @contextlib.contextmanager
 def _stop_requests():
     """Turns SIGTERM / SIGINT into a flag the loop checks between steps (main thread only)."""
@@ -197,23 +216,34 @@ def _read_jsonl_until(path: Path, step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
 
 
-def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> dict:
+def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
+          predicted: str | Path | None = None) -> dict:
     """Train `cfg` into `out_dir`, resuming from its newest valid checkpoint if there is one.
 
     Writes `config.yaml`, `metrics.jsonl`, `incidents.jsonl`, `checkpoints/`, `summary.json` (and
-    `resumes.jsonl` on a resume). Returns the summary: final `step`, `loss`, `eval` and `eval_initial`
-    per domain, `tokens`, `tokens_per_s`, `incidents`. Raises Preempted on SIGTERM / SIGINT.
+    `resumes.jsonl` on a resume). With `predicted` (a PRED.csv from `moelab ladder`), each eval's
+    `eval/mean` is checked against the predicted 95% band; two misses in a row are an `off_track`
+    incident. Returns the summary: final `step`, `loss`, `eval` and `eval_initial` per domain (with
+    their `mean`), `eval_mean`, `tokens`, `tokens_per_s`, `incidents`. Raises Preempted on SIGTERM / SIGINT.
     """
     hooks = hooks or Hooks()
     out = Path(out_dir)
+    on_track = None
+    if predicted is not None:
+        from moelab.ladder.predict import OnTrack, load_prediction  # scipy: only when predictions are checked
+
+        on_track = OnTrack(load_prediction(predicted))
     changes = check_resumable(load_yaml(out / "config.yaml"), cfg) if (out / "config.yaml").is_file() else {}
+    mesh_lib.check_dispatch(cfg)
+    mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
     corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     t, m = cfg.train, cfg.model
-    eval_sets = {d: eval_batches(corpus, d, t.eval_batches, t.batch_size, m.seq_len) for d in corpus.domains}
-    state = init_state(cfg)
-    train_step, eval_step = make_train_step(cfg), make_eval_step(cfg)
+    eval_sets = {d: [mesh_lib.place_batch(b, mesh) for b in eval_batches(corpus, d, t.eval_batches, t.batch_size,
+                                                                         m.seq_len)] for d in corpus.domains}
+    state = init_sharded_state(cfg, mesh)
+    train_step, eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
     tokens_per_step = t.batch_size * m.seq_len
     checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
     restored = checkpoints.restore_newest(like=state)
@@ -245,7 +275,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> di
             _, phase = phase_at(cfg.data, step, t.steps)
             batch = sample_batch(corpus, phase.weights, t.seed, step, t.batch_size, m.seq_len)
             ceiling = jnp.float32(monitor.loss_ceiling())
-            state, metrics = train_step(state, jnp.asarray(batch.tokens), ceiling)
+            state, metrics = train_step(state, mesh_lib.place_batch(batch.tokens, mesh), ceiling)
             scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
             window_steps += 1
             done = step + 1
@@ -258,13 +288,21 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> di
                 tokens_per_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
                 record = {"step": done, **scalars, "tokens": done * tokens_per_step,
                           "tokens_per_s": tokens_per_s, "phase": phase.name}
-                if new_incidents:
-                    record["incidents"] = new_incidents
                 if is_eval:
                     last_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
                     record.update({f"eval/{d}": v for d, v in last_eval.items()})
+                    if on_track is not None:
+                        check = on_track.check(done, last_eval["mean"])
+                        record["on_track"] = check.state
+                        if check.opens_incident:
+                            incident = Incident(done, check.rule, "loss", check.values).to_json()
+                            incident_log.write(json.dumps(incident) + "\n")
+                            incidents.append(incident)
+                            new_incidents.append(incident)
                     if hooks.on_eval:
                         hooks.on_eval(done, last_eval)
+                if new_incidents:
+                    record["incidents"] = new_incidents
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 incident_log.flush()
@@ -287,6 +325,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None) -> di
         "loss": record.get("loss"),
         "eval": last_eval,
         "eval_initial": initial_eval,
+        "eval_mean": last_eval["mean"],
         "tokens": t.steps * tokens_per_step,
         "tokens_per_s": tokens_per_s,
         "incidents": len(kept_incidents) + len(incidents),

@@ -1,0 +1,33 @@
+"""What the command modules share: the consoles, option aliases that read the same everywhere, and
+turning `CONFIG.yaml | --preset NAME` plus `--set` overrides into one RunConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from moelab import presets
+from moelab.config import ConfigError, RunConfig, load_yaml, override, parse_overrides
+
+__all__ = ["out_console", "err_console", "PresetOpt", "ConfigArg", "SetOpt", "JsonOpt", "resolve_config"]
+
+out_console = Console()  # results
+err_console = Console(stderr=True)  # progress, warnings, errors
+
+PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="A named config, e.g. tiny (see `moelab presets`).")]
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="A run config YAML (instead of --preset).", show_default=False)]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a field, e.g. --set model.d_model=256 (repeatable).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+
+
+def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, **fields) -> RunConfig:
+    """The run config from exactly one of a YAML file or a preset, with overrides applied."""
+    if (config is None) == (preset is None):
+        raise ConfigError("give exactly one of CONFIG.yaml or --preset NAME, e.g. `moelab train --preset tiny`.")
+    cfg = load_yaml(config) if config is not None else presets.get(preset)
+    updates = parse_overrides(sets or [])
+    updates.update({k: v for k, v in fields.items() if v is not None})
+    return override(cfg, updates) if updates else cfg

@@ -1,0 +1,11 @@
+"""The open lab: every experiment pre-registered, executed reproducibly and kept on the record.
+
+- `ledger`: the append-only, hash-chained SQLite record (experiments, amendments, runs, metrics, ...).
+- `registry`: experiment specs, pre-registration, amendments and their issue-ready Markdown.
+- `executor`: steps with versioned configs in content-hashed directories; local and Ray backends;
+  an experiment's spec turned into such a DAG.
+- `cli`: the `moelab lab` commands.
+
+Nothing here imports Ray or JAX at import time: Ray loads only for `--backend ray`, JAX only when a
+training step runs.
+"""

@@ -1,0 +1,180 @@
+"""`moelab lab`: pre-register, amend, show, verify and run experiments.
+
+    moelab lab register experiments/demo-spec.yaml --markdown     # paste the Markdown into the issue
+    moelab lab show demo-tiny
+    moelab lab amend demo-tiny experiments/demo-spec.yaml --reason "600 steps: 300 ended mid-decay"
+    moelab lab run demo-tiny --dry-run                            # what would run, wait or skip
+    moelab lab run demo-tiny --backend ray                        # RAY_ADDRESS joins a cluster
+    moelab lab verify                                             # recompute the hash chain
+
+Every command takes --ledger PATH (default: $MOELAB_LEDGER, else lab/ledger.sqlite). Exit codes:
+0 success; 1 a step failed or the chain is broken; 2 bad input (an invalid or edited spec, an unknown
+id, a file that is not a ledger).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.table import Table
+
+from moelab.config import ConfigError
+from moelab.lab import registry
+from moelab.lab.executor import BACKENDS, FAILED, SUCCESS, plan_experiment, run_experiment
+from moelab.lab.ledger import Record, open_ledger, verify as verify_chain
+
+lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                      help="Pre-register, run and audit experiments: the open lab's record.")
+out_console = Console()
+err_console = Console(stderr=True)
+
+DEFAULT_LEDGER = Path("lab/ledger.sqlite")
+LedgerOpt = Annotated[Path, typer.Option("--ledger", envvar="MOELAB_LEDGER", show_default=False,
+                                         help="The ledger file (default: $MOELAB_LEDGER, else lab/ledger.sqlite).")]
+IdArg = Annotated[str, typer.Argument(help="The experiment id, e.g. demo-tiny.", show_default=False)]
+SpecArg = Annotated[Path, typer.Argument(help="An experiment spec YAML, e.g. experiments/demo-spec.yaml.",
+                                         show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+MarkdownOpt = Annotated[bool, typer.Option("--markdown", help="Print issue-ready Markdown.")]
+
+
+def _record_json(record: Record) -> dict:
+    return dataclasses.asdict(record)
+
+
+def _experiment_json(experiment: registry.Experiment) -> dict:
+    return {"id": experiment.id, "spec_hash": experiment.spec_hash, "spec": experiment.spec_data,
+            "registration": _record_json(experiment.registration),
+            "amendments": [_record_json(r) for r in experiment.amendments],
+            "runs": [_record_json(r) for r in experiment.runs]}
+
+
+def _plain(obj: Any) -> Any:
+    data = dataclasses.asdict(obj)
+    return {k: str(v) if isinstance(v, Path) else v for k, v in data.items()}
+
+
+@lab_app.command()
+def register(spec: SpecArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOpt = False,
+             json_out: JsonOpt = False) -> None:
+    """Pre-register an experiment: store its spec, content hash, git commit and time in the ledger.
+
+    The spec is immutable from then on; record changes with `moelab lab amend`.
+    """
+    registry.parse_spec(registry.read_spec_file(spec), f"spec {spec}")  # before a new ledger file is made
+    experiment = registry.register(open_ledger(ledger, create=True), spec)
+    if json_out:
+        print(json.dumps(_experiment_json(experiment)))
+    elif markdown:
+        print(registry.to_markdown(experiment), end="")
+    else:
+        reg = experiment.registration
+        commit = (reg.body["git_commit"] or "none")[:12]
+        out_console.print(f"Registered [bold]{experiment.id}[/] as record {reg.seq} of {ledger} "
+                          f"(spec sha256 {experiment.spec_hash[:12]}, git {commit}).", highlight=False, soft_wrap=True)
+        err_console.print(f"Next: `moelab lab run {experiment.id} --dry-run`; `moelab lab show {experiment.id} "
+                          "--markdown` gives the text for the experiment's issue.", highlight=False, soft_wrap=True)
+
+
+@lab_app.command()
+def amend(
+    exp_id: IdArg,
+    spec: SpecArg,
+    reason: Annotated[str, typer.Option("--reason", help="Why the spec changes, e.g. \"300 steps ended "
+                                                        "mid-decay; run 600\".", show_default=False)],
+    ledger: LedgerOpt = DEFAULT_LEDGER,
+    json_out: JsonOpt = False,
+) -> None:
+    """Record a change to a registered spec: the diff and the reason go on the ledger."""
+    experiment = registry.amend(open_ledger(ledger), exp_id, spec, reason)
+    record = experiment.amendments[-1]
+    if json_out:
+        print(json.dumps(_record_json(record)))
+        return
+    out_console.print(f"Amended [bold]{exp_id}[/] (record {record.seq}); changed: "
+                      f"{', '.join(record.body['changes'])}.", highlight=False)
+    print(record.body["diff"], end="")
+
+
+@lab_app.command()
+def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOpt = False,
+         json_out: JsonOpt = False) -> None:
+    """Show an experiment as registered, with its amendments and runs."""
+    experiment = registry.load_experiment(open_ledger(ledger), exp_id)
+    if json_out:
+        print(json.dumps(_experiment_json(experiment)))
+    elif markdown:
+        print(registry.to_markdown(experiment, with_runs=True), end="")
+    else:
+        out_console.print(Markdown(registry.to_markdown(experiment, with_runs=True)))
+
+
+@lab_app.command()
+def verify(ledger: LedgerOpt = DEFAULT_LEDGER, json_out: JsonOpt = False) -> None:
+    """Recompute the ledger's hash chain; name the first broken record (exit 1) if there is one."""
+    check = verify_chain(open_ledger(ledger))
+    if json_out:
+        print(json.dumps({"ledger": str(ledger), **dataclasses.asdict(check), "ok": check.ok}))
+    elif check.ok:
+        out_console.print(f"{ledger}: {check.num_records} records, chain intact. Head sha256 {check.head_hash}",
+                          highlight=False, soft_wrap=True)
+    else:
+        err_console.print(f"[bold red]Broken:[/] {ledger}: {check.problem}. The {check.num_records} records "
+                          "before it check out.", highlight=False, soft_wrap=True)
+    if not check.ok:
+        raise typer.Exit(1)
+
+
+@lab_app.command()
+def run(
+    exp_id: IdArg,
+    ledger: LedgerOpt = DEFAULT_LEDGER,
+    spec: Annotated[Optional[Path], typer.Option("--spec", help="The spec file to check against the record "
+                                                              "(default: the one registered or last amended).")] = None,
+    root: Annotated[Path, typer.Option("--root", help="Step outputs go to ROOT/ID/<step>-<hash8>.")] = Path("runs/lab"),
+    backend: Annotated[str, typer.Option("--backend", help="local, or ray (joins RAY_ADDRESS if set, else "
+                                                          "starts a local cluster).")] = "local",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run, wait or skip; run "
+                                                          "nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Execute a registered experiment's DAG; refused if its spec file was edited without an amendment."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
+    book = open_ledger(ledger)
+    planned = plan_experiment(book, exp_id, root, spec)
+    if dry_run:
+        if json_out:
+            print(json.dumps([_plain(p) for p in planned]))
+            return
+        table = Table("step", "action", title=f"{exp_id}: dry run")
+        table.add_column("directory", overflow="fold")
+        table.add_column("reason")
+        for p in planned:
+            table.add_row(p.name, p.action, str(p.output_dir), p.reason)
+        out_console.print(table)
+        return
+    todo = [p.name for p in planned if p.action != "skip"]
+    err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
+                      highlight=False)
+    outcomes = run_experiment(book, exp_id, root, spec, backend)
+    if json_out:
+        print(json.dumps([_plain(o) for o in outcomes]))
+    else:
+        table = Table("step", "outcome", "status", title=exp_id)
+        table.add_column("directory", overflow="fold")
+        table.add_column("error")
+        for o in outcomes:
+            table.add_row(o.name, o.action, o.status or "-", str(o.output_dir), o.error or "")
+        out_console.print(table)
+    if any(o.status != SUCCESS for o in outcomes):
+        failed = [o.name for o in outcomes if o.status == FAILED]
+        err_console.print(f"[bold red]Failed:[/] {', '.join(failed) or 'blocked steps'}; see step.json in its "
+                          f"directory and `moelab lab show {exp_id}`.", highlight=False)
+        raise typer.Exit(1)

@@ -1,0 +1,492 @@
+"""Steps with versioned configs in content-hashed directories, run locally or on Ray.
+
+    from moelab.lab.executor import Step, execute, plan, versioned
+    steps = [
+        Step("data", make_data, {"seed": versioned(0)}),
+        Step("train", train_model, {"lr": versioned(3e-3), "log_every": 10}, deps=("data",)),
+    ]
+    plan(steps, "runs/lab/x")      # what would run, wait or skip
+    execute(steps, "runs/lab/x")   # run what is not done yet, in dependency order
+
+A step's *version* is the SHA-256 of its name, its versioned config fields (those wrapped in
+`versioned`) and its dependencies' versions; it writes into ROOT/<name>-<version[:8]>. Change a
+versioned field and that step and everything downstream get new directories and run again; the
+rest are skipped. Fields not wrapped (log cadence, paths of scratch files) may change freely. This
+is the executor of Marin (marin-community/marin, `marin/execution/executor.py`) cut down to what
+the lab needs.
+
+Each step directory holds `STATUS` (RUNNING, SUCCESS or FAILED, written atomically), `step.json`
+(version, config, dependencies, host, times, the traceback of a failure) and `result.json` (the
+step function's return value, when it has one). A lock (ROOT/.locks/<dir>.lock, `flock`) makes one
+process run a step while others wait for it. A step that crashes is left FAILED (or RUNNING with
+no process holding its lock, after a hard kill), never SUCCESS; before it runs again its partial
+output is moved aside to <dir>.failed-<UTC time>, so nothing half-written is reused or lost.
+
+Backends: `local` runs the steps one after another in this process; `ray` submits each as a Ray
+task whose arguments are its dependencies' results, so Ray runs independent steps in parallel.
+Ray joins the cluster at RAY_ADDRESS when that is set and otherwise starts a local one; it is
+imported only when that backend is chosen.
+
+The bottom of the module turns a registered experiment into such a DAG (`experiment_steps`) and
+runs it with every step's start, end or failure on the ledger (`run_experiment`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from moelab.config import ConfigError, RunConfig, from_dict, to_dict
+from moelab.lab.ledger import Ledger, append, canonical_json
+from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
+
+__all__ = ["RUNNING", "SUCCESS", "FAILED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
+           "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan", "execute",
+           "training_step", "run_training", "experiment_steps", "plan_experiment", "run_experiment"]
+
+RUNNING, SUCCESS, FAILED = "RUNNING", "SUCCESS", "FAILED"
+BACKENDS = ("local", "ray")
+STATUS_FILE, INFO_FILE, RESULT_FILE = "STATUS", "step.json", "result.json"
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A config value that is part of the step's version: changing it changes the output directory."""
+
+    value: Any
+
+
+def versioned(value: Any) -> Versioned:
+    return Versioned(value)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the DAG: `fn(StepContext)` computes the step into `StepContext.output_dir`."""
+
+    name: str  # letters, digits, . _ -; the directory is <name>-<hash8>
+    fn: Callable[["StepContext"], Any]  # returns None or JSON-able data (saved as result.json)
+    config: Mapping[str, Any] = field(default_factory=dict)  # values wrapped in `versioned` enter the version
+    deps: tuple[str, ...] = ()  # names of steps that must succeed first
+    resources: Mapping[str, float] = field(default_factory=dict)
+    """Ray only: what the task needs, e.g. {"num_gpus": 1}; Ray hides GPUs from tasks that ask for
+    none. Defaults to one CPU. Not part of the version."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "._-" for c in self.name) or self.name[0] in "._-":
+            raise ConfigError(f"step name {self.name!r} is invalid: use letters, digits, '.', '_' or '-', starting "
+                              "with a letter or digit (it names a directory).")
+        object.__setattr__(self, "deps", tuple(self.deps))
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a step function gets: where to write, its config (unwrapped), its dependencies' outputs."""
+
+    name: str
+    version: str  # full SHA-256 hex
+    output_dir: Path
+    config: dict
+    deps: dict[str, Path]  # dependency name -> its output directory
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    name: str
+    version: str
+    output_dir: Path
+    action: str  # "run", "wait" (another process holds its lock) or "skip" (SUCCESS)
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    name: str
+    version: str
+    output_dir: Path
+    action: str  # "ran", "skipped" or "blocked" (a dependency did not succeed)
+    status: str | None  # SUCCESS or FAILED; None when blocked
+    waited: bool = False  # another process held the step's lock first
+    error: str | None = None
+    result: Any = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the DAG and its versions
+
+
+def order_steps(steps: list[Step]) -> list[Step]:
+    """The steps in dependency order (stable otherwise); ConfigError on a duplicate, unknown dep or cycle."""
+    by_name: dict[str, Step] = {}
+    for step in steps:
+        if step.name in by_name:
+            raise ConfigError(f"two steps are named {step.name!r}; step names must be unique in a DAG.")
+        by_name[step.name] = step
+    for step in steps:
+        unknown = [d for d in step.deps if d not in by_name]
+        if unknown:
+            raise ConfigError(f"step {step.name!r} depends on {unknown[0]!r}, which is not a step of this DAG "
+                              f"(steps: {', '.join(by_name)}).")
+    ordered: list[Step] = []
+    state: dict[str, str] = {}
+
+    def visit(step: Step, path: tuple[str, ...]) -> None:
+        if state.get(step.name) == "done":
+            return
+        if state.get(step.name) == "visiting":
+            cycle = " -> ".join(path[path.index(step.name):] + (step.name,))
+            raise ConfigError(f"the steps form a cycle ({cycle}); a DAG cannot depend on itself.")
+        state[step.name] = "visiting"
+        for dep in step.deps:
+            visit(by_name[dep], path + (step.name,))
+        state[step.name] = "done"
+        ordered.append(step)
+
+    for step in steps:
+        visit(step, ())
+    return ordered
+
+
+def _versioned_fields(config: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(config, Versioned):
+        return {prefix or ".": config.value}
+    out: dict[str, Any] = {}
+    if isinstance(config, Mapping):
+        for key, value in config.items():
+            out.update(_versioned_fields(value, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(config, (list, tuple)):
+        for i, value in enumerate(config):
+            out.update(_versioned_fields(value, f"{prefix}[{i}]"))
+    return out
+
+
+def _unwrap(config: Any) -> Any:
+    if isinstance(config, Versioned):
+        return config.value
+    if isinstance(config, Mapping):
+        return {key: _unwrap(value) for key, value in config.items()}
+    if isinstance(config, (list, tuple)):
+        return type(config)(_unwrap(v) for v in config)
+    return config
+
+
+def step_versions(steps: list[Step]) -> dict[str, str]:
+    """Each step's version: sha256 of its name, versioned fields and its dependencies' versions."""
+    versions: dict[str, str] = {}
+    for step in order_steps(steps):
+        content = {"name": step.name, "versioned": _versioned_fields(step.config),
+                   "deps": {d: versions[d] for d in step.deps}}
+        versions[step.name] = hashlib.sha256(canonical_json(content).encode()).hexdigest()
+    return versions
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A step bound to its version and paths: what a backend executes (pickled for Ray)."""
+
+    step: Step
+    version: str
+    output_dir: Path
+    lock_path: Path
+    dep_dirs: dict[str, Path]
+
+
+def _jobs(steps: list[Step], root: str | Path) -> list[_Job]:
+    root = Path(root).absolute()  # Ray workers may start in another directory
+    versions = step_versions(steps)
+    dirs = {s.name: root / f"{s.name}-{versions[s.name][:8]}" for s in steps}
+    return [_Job(s, versions[s.name], dirs[s.name], root / ".locks" / f"{dirs[s.name].name}.lock",
+                 {d: dirs[d] for d in s.deps}) for s in order_steps(steps)]
+
+
+# ----------------------------------------------------------------------------------------------
+# status files and locks
+
+
+def read_status(output_dir: str | Path) -> str | None:
+    """RUNNING, SUCCESS or FAILED; None when the step has not started there."""
+    try:
+        return (Path(output_dir) / STATUS_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _lock_held(lock_path: Path) -> bool:
+    """Whether another process (or another open of the file) holds the step's lock right now."""
+    try:
+        f = open(lock_path, "rb")
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def _holder(output_dir: Path) -> str:
+    try:
+        info = json.loads((output_dir / INFO_FILE).read_text())
+        return f"{info.get('host')} pid {info.get('pid')}"
+    except (OSError, ValueError):
+        return "another process"
+
+
+def _decide(job: _Job) -> tuple[str, str]:
+    """(action, reason) for a step as things stand: the one rule that both `plan` and the backends follow."""
+    status = read_status(job.output_dir)
+    if status == SUCCESS:
+        return "skip", "SUCCESS"
+    if _lock_held(job.lock_path):
+        return "wait", f"RUNNING in {_holder(job.output_dir)}"
+    if status == RUNNING:
+        return "run", "crashed while RUNNING (no process holds its lock); partial output will be moved aside"
+    if status == FAILED:
+        return "run", "FAILED before; partial output will be moved aside"
+    if job.output_dir.exists():
+        return "run", "directory without a status; it will be moved aside"
+    return "run", "not run yet"
+
+
+def plan(steps: list[Step], root: str | Path) -> list[PlannedStep]:
+    """What `execute` would do now, step by step, without running or writing anything."""
+    return [PlannedStep(j.step.name, j.version, j.output_dir, *_decide(j)) for j in _jobs(steps, root)]
+
+
+# ----------------------------------------------------------------------------------------------
+# running one step
+
+
+def _move_aside(output_dir: Path) -> Path:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    target = output_dir.with_name(f"{output_dir.name}.failed-{stamp}")
+    output_dir.rename(target)
+    return target
+
+
+def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcomes: StepOutcome) -> StepOutcome:
+    """Run one step unless it is done; the same code in this process (local) or a Ray worker (ray)."""
+    name, out = job.step.name, job.output_dir
+    base = {"step": name, "version": job.version, "output_dir": str(out), "host": socket.gethostname(),
+            "pid": os.getpid()}
+
+    def emit(event: str, **fields: Any) -> None:
+        if on_event is not None:
+            on_event({**base, "event": event, **fields})
+
+    def outcome(action: str, status: str | None, **fields: Any) -> StepOutcome:
+        return StepOutcome(name, job.version, out, action, status, **fields)
+
+    blocked = [o.name for o in dep_outcomes if o.status != SUCCESS]
+    if blocked:
+        return outcome("blocked", None, error=f"dependency {', '.join(blocked)} did not succeed")
+    if read_status(out) == SUCCESS:  # SUCCESS is final: no lock needed to trust it
+        emit("skipped", status=SUCCESS)
+        return outcome("skipped", SUCCESS)
+    job.lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(job.lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process runs this step: wait for it, then look again
+            waited = True
+        try:
+            if read_status(out) == SUCCESS:
+                emit("skipped", status=SUCCESS, waited=waited)
+                return outcome("skipped", SUCCESS, waited=waited)
+            moved = str(_move_aside(out)) if out.exists() else None
+            out.mkdir(parents=True)
+            config = _unwrap(job.step.config)
+            info = {**base, "versioned": _versioned_fields(job.step.config), "config": config,
+                    "deps": {d: str(p) for d, p in job.dep_dirs.items()}, "started_at": _now()}
+            _write_atomic(out / INFO_FILE, canonical_json(info))
+            _write_atomic(out / STATUS_FILE, RUNNING)
+            try:
+                emit("started", status=RUNNING, moved_aside=moved)
+                result = job.step.fn(StepContext(name, job.version, out, config, dict(job.dep_dirs)))
+                if result is not None:
+                    _write_atomic(out / RESULT_FILE, canonical_json(result))
+            except BaseException as e:
+                error = f"{type(e).__name__}: {e}"
+                _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
+                                                               "error": traceback.format_exc()}))
+                _write_atomic(out / STATUS_FILE, FAILED)
+                emit("failed", status=FAILED, error=error)
+                if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: recorded, then honoured
+                    raise
+                return outcome("ran", FAILED, waited=waited, error=error)
+            _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now()}))
+            _write_atomic(out / STATUS_FILE, SUCCESS)  # last: SUCCESS means every other file is complete
+            emit("finished", status=SUCCESS, result=result)
+            return outcome("ran", SUCCESS, waited=waited, result=result)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------------------------
+# backends
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--backend ray needs Ray, which is not installed: pip install 'moelab[ray]' "
+                          "(or use --backend local).") from None
+    return ray
+
+
+def _ray_options(resources: Mapping[str, float]) -> dict:
+    options = {"num_cpus": resources.get("num_cpus", 1), "max_retries": 0}  # a failed step is not re-run blindly
+    if "num_gpus" in resources:
+        options["num_gpus"] = resources["num_gpus"]
+    custom = {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+def _worker_lost(job: _Job, error: Exception, on_event: Callable[[dict], None] | None) -> StepOutcome:
+    """A Ray worker died inside a step: mark it FAILED on disk (its lock is free now) and on the record."""
+    message = f"worker lost: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if read_status(job.output_dir) == RUNNING and not _lock_held(job.lock_path):
+        _write_atomic(job.output_dir / STATUS_FILE, FAILED)
+    if on_event is not None:
+        on_event({"step": job.step.name, "version": job.version, "output_dir": str(job.output_dir),
+                  "event": "failed", "status": FAILED, "error": message})
+    return StepOutcome(job.step.name, job.version, job.output_dir, "ran", FAILED, error=message)
+
+
+def _execute_ray(jobs: list[_Job], on_event: Callable[[dict], None] | None) -> dict[str, StepOutcome]:
+    ray = _import_ray()
+    started_here = not ray.is_initialized()
+    if started_here:
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)  # join that cluster: its workers need moelab installed
+        else:  # "local" starts a fresh cluster even when one from `ray start` runs on this host
+            ray.init(address="local", include_dashboard=False)
+    try:
+        remote = ray.remote(_execute_job)
+        refs: dict[str, Any] = {}
+        for job in jobs:  # dependency order: every dependency's ref exists before it is passed on
+            refs[job.step.name] = remote.options(**_ray_options(job.step.resources)).remote(
+                job, on_event, *[refs[d] for d in job.step.deps])
+        outcomes: dict[str, StepOutcome] = {}
+        for job in jobs:
+            try:
+                outcomes[job.step.name] = ray.get(refs[job.step.name])
+            except ray.exceptions.RayError as e:
+                if any(outcomes[d].status != SUCCESS for d in job.step.deps):
+                    outcomes[job.step.name] = StepOutcome(job.step.name, job.version, job.output_dir, "blocked",
+                                                          None, error="a dependency did not succeed")
+                else:
+                    outcomes[job.step.name] = _worker_lost(job, e, on_event)
+        return outcomes
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def execute(steps: list[Step], root: str | Path, backend: str = "local",
+            on_event: Callable[[dict], None] | None = None) -> list[StepOutcome]:
+    """Run every step that is not SUCCESS yet, dependencies first; return one outcome per step.
+
+    A failed step blocks the steps downstream of it; independent branches still run. `on_event`
+    gets a dict for each step that starts, finishes, fails or is skipped (with Ray, in the worker:
+    it must be picklable, e.g. a `functools.partial` of a top-level function).
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
+    jobs = _jobs(steps, root)
+    if backend == "ray":
+        outcomes = _execute_ray(jobs, on_event)
+    else:
+        outcomes = {}
+        for job in jobs:
+            outcomes[job.step.name] = _execute_job(job, on_event, *[outcomes[d] for d in job.step.deps])
+    return [outcomes[j.step.name] for j in jobs]
+
+
+# ----------------------------------------------------------------------------------------------
+# experiments as DAGs
+
+
+def run_training(ctx: StepContext) -> dict:
+    """Step function: train the RunConfig in `ctx.config` into the step's directory; returns the summary."""
+    from moelab.train.loop import train  # JAX loads only when a training step runs
+
+    cfg = from_dict({**ctx.config["run"], "name": ctx.config["name"]})
+    return train(cfg, ctx.output_dir)
+
+
+def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
+                  resources: Mapping[str, float] | None = None) -> Step:
+    """A step that trains `cfg`. Every field but the run's name is versioned: each one can change the outputs."""
+    run = to_dict(cfg)
+    run_name = run.pop("name")
+    return Step(name, run_training, {"run": versioned(run), "name": run_name}, deps, dict(resources or {}))
+
+
+def experiment_steps(spec: Spec) -> list[Step]:
+    """The DAG of a registered spec: `config:` is one training step; `ladder:` is rungs -> fit -> main run."""
+    if spec.ladder is not None:
+        # TODO(#8): build one `training_step` per rung from moelab.ladder (the rungs), a fit step that
+        # depends on every rung and reads their metrics, and the main run depending on the fit. The
+        # executor needs nothing new: the DAG is a list of Steps like the one below.
+        raise ConfigError(f"experiment {spec.id} is a ladder spec; running ladders (rungs -> fit -> main run) "
+                          "arrives with the ladder steps (issue 8). Use a `config:` spec for now.")
+    return [training_step("train", resolve_run_config(spec), resources=spec.resources)]
+
+
+def _record_run_event(ledger: Ledger, exp_id: str, provenance: dict, event: dict) -> None:
+    append(ledger, "run", exp_id, {**event, **provenance})
+
+
+def _experiment_dag(ledger: Ledger, exp_id: str, spec_path: str | Path | None):
+    experiment = load_experiment(ledger, exp_id)
+    check_unchanged(experiment, spec_path if spec_path is not None else experiment.source)
+    return experiment, experiment_steps(experiment.spec)
+
+
+def plan_experiment(ledger: Ledger, exp_id: str, root: str | Path,
+                    spec_path: str | Path | None = None) -> list[PlannedStep]:
+    """`plan` for a registered experiment, after the same checks as `run_experiment`."""
+    _, steps = _experiment_dag(ledger, exp_id, spec_path)
+    return plan(steps, Path(root) / exp_id)
+
+
+def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Path | None = None,
+                   backend: str = "local") -> list[StepOutcome]:
+    """Execute a registered experiment's DAG under ROOT/<id>, each step's events on the ledger.
+
+    Refused (ConfigError) when the spec file (`spec_path`, by default the one it was registered or
+    last amended from) differs from the version in force: amend it first.
+    """
+    experiment, steps = _experiment_dag(ledger, exp_id, spec_path)
+    commit, dirty = git_state(Path.cwd())
+    provenance = {"spec_hash": experiment.spec_hash, "git_commit": commit, "git_dirty": dirty, "backend": backend}
+    on_event = functools.partial(_record_run_event, ledger, exp_id, provenance)
+    return execute(steps, Path(root) / exp_id, backend=backend, on_event=on_event)

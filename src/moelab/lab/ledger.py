@@ -1,0 +1,317 @@
+"""The lab ledger: an append-only SQLite record whose rows form a SHA-256 hash chain.
+
+    from moelab.lab.ledger import append, open_ledger, records, verify
+    ledger = open_ledger("lab/ledger.sqlite", create=True)
+    append(ledger, "run", "demo", {"event": "started", "step": "train"})
+    verify(ledger)  # ChainCheck(num_records=1, broken_seq=None, ...)
+
+Every record (experiment registrations, amendments, runs, metrics, incidents, mixture-log entries,
+samples) is one row of the `records` table, numbered 1, 2, 3, ... Its hash is
+
+    hash_n = sha256(hash_{n-1} + canonical_json({seq, kind, key, created_at, body}))
+
+with hash_0 = 64 zeros, so editing, inserting or deleting any row breaks the chain at that row and
+`verify` names it. The chain cannot see rows cut off the end: publish the head hash (`moelab lab
+verify` prints it) where others can see it, e.g. in the experiment's issue, to pin the history.
+
+Writers are safe to run concurrently (several steps of one experiment, on one host or on a shared
+filesystem that honours POSIX locks): the database is in WAL mode and each append reads the head and
+inserts the next row inside one `BEGIN IMMEDIATE` transaction, so the chain stays linear. Per-kind
+views (`experiments`, `runs`, `metrics`, ...) make the file easy to query with the `sqlite3` shell.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+import numbers
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from moelab.config import ConfigError
+
+__all__ = ["KINDS", "GENESIS_HASH", "Ledger", "Record", "ChainCheck", "DuplicateRecord", "canonical_json",
+           "record_hash", "open_ledger", "append", "records", "verify"]
+
+FORMAT = "moelab-ledger"
+FORMAT_VERSION = 1
+GENESIS_HASH = "0" * 64
+# Record kinds and the view each one gets. Later issues fill metrics, incidents, mixture and samples.
+KINDS = {
+    "experiment": "experiments",
+    "amendment": "amendments",
+    "run": "runs",
+    "metric": "metrics",
+    "incident": "incidents",
+    "mixture": "mixture_log",
+    "sample": "samples",
+}
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_BUSY_TIMEOUT_MS = 60_000  # writers queue behind BEGIN IMMEDIATE; a training step's append is milliseconds
+
+_SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS records (
+        seq INTEGER PRIMARY KEY,   -- 1, 2, 3, ... in chain order
+        kind TEXT NOT NULL,        -- one of KINDS
+        key TEXT NOT NULL,         -- what the record is about, usually an experiment id
+        created_at TEXT NOT NULL,  -- UTC, ISO 8601
+        body TEXT NOT NULL,        -- canonical JSON object
+        prev_hash TEXT NOT NULL,
+        hash TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS records_by_kind_key ON records (kind, key)",
+    # An experiment id is registered once; amendments change it afterwards. The index also settles
+    # two concurrent registrations of one id.
+    "CREATE UNIQUE INDEX IF NOT EXISTS one_registration_per_id ON records (key) WHERE kind = 'experiment'",
+    *(f"CREATE VIEW IF NOT EXISTS {view} AS SELECT seq, key, created_at, body FROM records WHERE kind = '{kind}'"
+      for kind, view in KINDS.items()),
+]
+
+
+class DuplicateRecord(ConfigError):
+    """A second registration of an experiment id (the unique index refused it)."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A handle on a ledger file that `open_ledger` has checked; functions below take it."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class Record:
+    seq: int
+    kind: str
+    key: str
+    created_at: str
+    body: dict
+    prev_hash: str
+    hash: str
+
+
+@dataclass(frozen=True)
+class ChainCheck:
+    """What `verify` found: the number of records, the head hash, and the first broken record if any."""
+
+    num_records: int
+    head_hash: str
+    broken_seq: int | None = None  # None: the whole chain checks out
+    problem: str | None = None  # why `broken_seq` is broken, in one sentence
+
+    @property
+    def ok(self) -> bool:
+        return self.broken_seq is None
+
+
+# ----------------------------------------------------------------------------------------------
+# canonical JSON and the chain
+
+
+def _plain(value: Any, where: str) -> Any:
+    """JSON-ready data: tuples become lists, paths and dates strings, numpy scalars Python numbers.
+
+    Non-finite floats become the strings "NaN", "Infinity", "-Infinity": strict JSON has no
+    spelling for them, and a diverged run's NaN loss must still go on the record.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        x = float(value)
+        if math.isfinite(x):
+            return x
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (dt.date, dt.datetime)):
+        return value.isoformat()
+    raise TypeError(f"{where} holds a {type(value).__name__}, which has no JSON form; store plain data.")
+
+
+def canonical_json(value: Any) -> str:
+    """The one JSON spelling of `value`: sorted keys, no spaces, UTF-8; the input of every hash."""
+    return json.dumps(_plain(value, "value"), sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                      allow_nan=False)
+
+
+def record_hash(prev_hash: str, seq: int, kind: str, key: str, created_at: str, body: dict) -> str:
+    content = canonical_json({"seq": seq, "kind": kind, "key": key, "created_at": created_at, "body": body})
+    return hashlib.sha256((prev_hash + content).encode()).hexdigest()
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+# ----------------------------------------------------------------------------------------------
+# opening
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+    conn = sqlite3.connect(path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+    conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+    return conn
+
+
+def _not_a_ledger(path: Path, why: str) -> ConfigError:
+    return ConfigError(
+        f"{path} is not a moelab ledger ({why}). Point --ledger (or MOELAB_LEDGER) at a ledger file, or at a "
+        "path that does not exist yet to start a new one."
+    )
+
+
+def _init_schema(conn: sqlite3.Connection) -> None:
+    conn.execute("PRAGMA journal_mode = WAL")  # persistent; lets readers run beside the one writer
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in _SCHEMA:
+            conn.execute(statement)
+        conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?), ('version', ?)", (FORMAT, str(FORMAT_VERSION)))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def open_ledger(path: str | Path, create: bool = False) -> Ledger:
+    """Check that `path` is a moelab ledger (creating an empty one if `create` and it does not exist).
+
+    Raises ConfigError naming the path when it is missing (and not `create`), is not an SQLite
+    file, is an SQLite file of something else, or is a ledger of a newer format.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise _not_a_ledger(path, "it is a directory")
+    # A zero-byte file is a ledger another process is creating this instant (sqlite makes the file
+    # before its first write); treat it like a missing one.
+    exists = path.is_file() and path.stat().st_size > 0
+    if not exists and not create:
+        raise ConfigError(
+            f"no ledger at {path}. Register an experiment first (`moelab lab register SPEC.yaml`), or point "
+            "--ledger (or MOELAB_LEDGER) at an existing ledger."
+        )
+    if exists:
+        with open(path, "rb") as f:
+            if f.read(len(_SQLITE_MAGIC)) != _SQLITE_MAGIC:
+                raise _not_a_ledger(path, "not an SQLite database")
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    conn = _connect(path)
+    try:
+        try:
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        except sqlite3.DatabaseError:
+            meta = None
+        if not meta:
+            (num_tables,) = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            if num_tables or not create:
+                raise _not_a_ledger(path, "an SQLite database without moelab's meta table")
+            _init_schema(conn)
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        if meta.get("format") != FORMAT:
+            raise _not_a_ledger(path, f"its meta table says format={meta.get('format')!r}")
+        if meta.get("version") != str(FORMAT_VERSION):
+            raise ConfigError(f"{path} is a moelab ledger of format version {meta.get('version')}; this moelab "
+                              f"reads version {FORMAT_VERSION}. Upgrade moelab to read it.")
+    finally:
+        conn.close()
+    return Ledger(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# writing and reading
+
+
+def append(ledger: Ledger, kind: str, key: str, body: dict) -> Record:
+    """Append one record at the head of the chain, atomically with respect to other writers.
+
+    Raises DuplicateRecord (a ConfigError) for a second `experiment` record with the same key.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not a ledger record kind; use one of {', '.join(KINDS)}.")
+    if not isinstance(body, dict):
+        raise TypeError(f"a ledger record's body must be a dict, got {type(body).__name__}.")
+    body = json.loads(canonical_json(body))  # the stored form, so the returned Record hashes the same
+    conn = _connect(ledger.path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")  # takes the write lock before reading the head: no forks
+        try:
+            row = conn.execute("SELECT seq, hash FROM records ORDER BY seq DESC LIMIT 1").fetchone()
+            seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS_HASH)
+            created_at = _now()
+            digest = record_hash(prev, seq, kind, key, created_at, body)
+            conn.execute("INSERT INTO records VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (seq, kind, key, created_at, canonical_json(body), prev, digest))
+            conn.execute("COMMIT")
+        except sqlite3.IntegrityError:
+            conn.execute("ROLLBACK")
+            raise DuplicateRecord(f"an {kind} record with key {key!r} is already in {ledger.path}.") from None
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    finally:
+        conn.close()
+    return Record(seq, kind, key, created_at, body, prev, digest)
+
+
+def _rows(ledger: Ledger, where: str = "", params: tuple = ()) -> Iterator[tuple]:
+    conn = _connect(ledger.path)
+    try:
+        yield from conn.execute(
+            f"SELECT seq, kind, key, created_at, body, prev_hash, hash FROM records {where} ORDER BY seq", params)
+    finally:
+        conn.close()
+
+
+def records(ledger: Ledger, kind: str | None = None, key: str | None = None) -> list[Record]:
+    """Records in chain order, optionally only one kind and / or one key."""
+    clauses, params = [], []
+    if kind is not None:
+        clauses.append("kind = ?")
+        params.append(kind)
+    if key is not None:
+        clauses.append("key = ?")
+        params.append(key)
+    where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+    return [Record(seq, kind_, key_, created_at, json.loads(body), prev, digest)
+            for seq, kind_, key_, created_at, body, prev, digest in _rows(ledger, where, tuple(params))]
+
+
+def verify(ledger: Ledger) -> ChainCheck:
+    """Recompute the chain from the first record and stop at the first one that does not check out."""
+    expected_seq, prev = 1, GENESIS_HASH
+    for seq, kind, key, created_at, body_text, prev_hash, digest in _rows(ledger):
+        def broken(at: int, problem: str) -> ChainCheck:
+            return ChainCheck(expected_seq - 1, prev, at, problem)
+
+        if seq != expected_seq:
+            return broken(expected_seq, f"record {expected_seq} is missing (the next one is numbered {seq})")
+        try:
+            body = json.loads(body_text)
+            canonical = isinstance(body, dict) and canonical_json(body) == body_text
+        except (ValueError, TypeError):
+            canonical = False
+        if not canonical:
+            return broken(seq, f"record {seq} ({kind} {key!r}) has a body that is not canonical JSON: it was "
+                               "edited outside moelab")
+        if prev_hash != prev:
+            return broken(seq, f"record {seq} ({kind} {key!r}) does not link to record {seq - 1}: its prev_hash "
+                               f"{str(prev_hash)[:12]}... is not {prev[:12]}...")
+        if kind not in KINDS or not isinstance(created_at, str) or not isinstance(key, str) or \
+                record_hash(prev, seq, kind, key, created_at, body) != digest:
+            return broken(seq, f"record {seq} ({kind} {key!r}) does not match its hash: a field was changed "
+                               "after it was written")
+        expected_seq, prev = seq + 1, digest
+    return ChainCheck(expected_seq - 1, prev)

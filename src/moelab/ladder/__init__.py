@@ -1,0 +1,10 @@
+"""The scaling ladder: rungs, scaling-law fits and on-track predictions.
+
+- `rungs`: ladder generation from a recipe and compute budgets.
+- `fit`: the compute envelope L(C), Chinchilla's L(N, D) and the schedule-aware curve law fitted on
+  every checkpoint of every rung, with a bootstrap over whole runs.
+- `predict`: the CURVES.csv / TARGET.csv -> PRED.csv contract, bands, the on-track monitor and
+  compute-equivalent speedups.
+
+The package needs numpy and scipy only (no JAX), so a laptop can refit a ladder from a CSV.
+"""

@@ -1,0 +1,139 @@
+"""`moelab ladder`: plan rungs, run them, fit the curve law, compare recipes.
+
+    moelab ladder plan --preset frontier-535b               # reproduces the ladder-d* presets
+    moelab ladder run experiments/ladder-cpu.yaml --out runs/ladder
+    moelab ladder fit --curves CURVES.csv --target TARGET.csv --out PRED.csv --json
+    moelab ladder compare runs/ladder-baseline runs/ladder-candidate
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from moelab import presets
+from moelab._cli_utils import JsonOpt, PresetOpt, out_console
+from moelab.config import ConfigError, DataError, load_yaml
+
+ladder_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                         help="Scaling ladder: rungs of one recipe, a fitted law, predictions of the target.")
+
+RecipeArg = Annotated[Optional[Path], typer.Argument(help="A ladder recipe YAML (see experiments/ladder-cpu.yaml).",
+                                                     show_default=False)]
+
+
+def _recipe(recipe: Path | None, preset: str | None):
+    from moelab.ladder.rungs import LadderRecipe, load_recipe
+
+    if (recipe is None) == (preset is None):
+        raise ConfigError("give exactly one of RECIPE.yaml or --preset NAME, e.g. `moelab ladder plan --preset "
+                          "frontier-535b`.")
+    if recipe is not None:
+        return load_recipe(recipe)
+    if preset not in presets.LADDERS:
+        raise ConfigError(f"preset {preset!r} has no published ladder; the presets with one are: "
+                          f"{', '.join(presets.LADDERS)}. Write a recipe YAML for others.")
+    shapes, batch = presets.LADDERS[preset]
+    return LadderRecipe(presets.get(preset), shapes, batch)
+
+
+@ladder_app.command()
+def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt = False) -> None:
+    """The rungs of a recipe and its target: shape, parameters, tokens, steps, FLOPs."""
+    from moelab.ladder.rungs import check_monotone, plan_rows, rungs_of
+
+    r = _recipe(recipe, preset)
+    configs = rungs_of(r)
+    check_monotone(configs)
+    rows = plan_rows(configs + [r.target])
+    if json_out:
+        print(json.dumps(rows))
+        return
+    table = Table("name", "d", "layers", "active", "total", "tokens", "steps", "FLOPs", title="ladder plan")
+    for row in rows:
+        table.add_row(row["name"], str(row["d_model"]), str(row["num_layers"]), f"{row['active_params']:.4g}",
+                      f"{row['total_params']:.4g}", f"{row['tokens']:.4g}", f"{row['steps']:,}",
+                      f"{row['train_flops']:.3g}")
+    out_console.print(table)
+
+
+@ladder_app.command()
+def run(
+    recipe: Annotated[Path, typer.Argument(help="A ladder recipe YAML.", show_default=False)],
+    out: Annotated[Path, typer.Option(help="Output directory (rungs, curves, prediction).")] = Path("runs/ladder"),
+    json_out: JsonOpt = False,
+) -> None:
+    """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
+    from moelab.cli import run_training
+    from moelab.ladder.run import run_ladder
+
+    summary = run_ladder(_recipe(recipe, None), out, run_training)
+    if json_out:
+        print(json.dumps(summary))
+        return
+    out_console.print(f"Prediction for the target in {out / 'prediction.csv'}; fit summary in {out / 'fit.json'}.")
+    out_console.print(f"Train the target against it: moelab train ... --predicted {out / 'prediction.csv'}")
+
+
+@ladder_app.command()
+def fit(
+    curves: Annotated[Path, typer.Option(help="CURVES.csv: run,params,step,tokens,lr,loss.")],
+    target: Annotated[Path, typer.Option(help="TARGET.csv: run,params,step,tokens,lr (the planned schedule).")],
+    out: Annotated[Path, typer.Option(help="PRED.csv to write: target rows + loss_pred,lo80,hi80,lo95,hi95.")],
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples over whole runs.")] = 200,
+    json_out: JsonOpt = False,
+) -> None:
+    """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""
+    from moelab.ladder.predict import fit_curves
+
+    summary = fit_curves(curves, target, out, num_bootstrap=bootstrap)
+    if json_out:
+        print(json.dumps(summary))
+        return
+    out_console.print(f"Wrote {out}. Fitted law: {summary['law']}")
+    for name, value in summary["params"].items():
+        out_console.print(f"  {name} = {value:.6g}")
+
+
+def _final_points(ladder_dir: Path) -> list[tuple[str, float, float]]:
+    """(name, train FLOPs, final eval/mean) of every finished rung under a `ladder run` directory."""
+    from moelab.accounting import summarize
+
+    points = []
+    for run_dir in sorted((ladder_dir / "rungs").glob("*")):
+        if (run_dir / "summary.json").is_file():
+            cfg = load_yaml(run_dir / "config.yaml")
+            summary = json.loads((run_dir / "summary.json").read_text())
+            points.append((cfg.name, summarize(cfg)["train_flops"], summary["eval_mean"]))
+    if len(points) < 2:
+        raise DataError(f"{ladder_dir} holds {len(points)} finished rungs under rungs/; a comparison needs at "
+                        "least 2. Run `moelab ladder run RECIPE.yaml --out DIR` first.")
+    return points
+
+
+@ladder_app.command()
+def compare(
+    baseline: Annotated[Path, typer.Argument(help="A `ladder run` output directory: the baseline recipe.")],
+    candidate: Annotated[Path, typer.Argument(help="A `ladder run` output directory: the candidate recipe.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Compute-equivalent speedup: compute the baseline needs to reach the candidate's loss, over the candidate's."""
+    from moelab.ladder.fit import fit_compute_envelope
+    from moelab.ladder.predict import compute_equivalent_speedup
+
+    base = _final_points(baseline)
+    envelope = fit_compute_envelope([c for _, c, _ in base], [loss for _, _, loss in base])
+    rows = [{"run": name, "train_flops": c, "loss": loss,
+             "speedup": compute_equivalent_speedup(envelope, loss, c)} for name, c, loss in _final_points(candidate)]
+    if json_out:
+        print(json.dumps({"baseline": str(baseline), "candidate": str(candidate), "rungs": rows,
+                          "speedup": rows[-1]["speedup"]}))
+        return
+    table = Table("candidate rung", "FLOPs", "loss", "speedup", title=f"{candidate} over {baseline}")
+    for row in rows:
+        table.add_row(row["run"], f"{row['train_flops']:.3g}", f"{row['loss']:.4f}", f"{row['speedup']:.3f}x")
+    out_console.print(table)

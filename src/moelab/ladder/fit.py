@@ -1,0 +1,535 @@
+"""Scaling-law fits: the compute envelope, Chinchilla's L(N, D) and a schedule-aware curve law.
+
+Every law here is linear in some parameters and nonlinear in its exponents. Each fit solves the
+linear ones exactly (non-negative least squares) for given exponents, so the search runs over the
+exponents alone (variable projection; Golub & Pereyra 1973): a grid, then L-BFGS-B from the best
+grid point.
+
+1. Compute envelope (Kaplan et al. 2020; Hoffmann et al. 2022, approach 1):
+
+       L(C) = L_inf + A * C^-alpha
+
+   fitted by least squares to the frontier points (`lower_envelope`), L_inf free or pinned.
+
+2. Chinchilla (Hoffmann et al. 2022, approach 3):
+
+       L(N, D) = E + A / N^alpha + B / D^beta
+
+   fitted by a Huber loss (delta = 1e-3) on log L - log L_hat. For given exponents (E, A, B) come
+   from a weighted NNLS on relative residuals (L - L_hat) / L, the first-order form of the log
+   residual; a last joint L-BFGS-B pass over all five minimizes the exact Huber objective.
+
+3. The curve law, fitted jointly on every checkpoint of every rung:
+
+       L(N, t) = E + A * N^-alpha + B * S1(t)^-beta - C * S2(t)
+
+       S1(t) = integral over tokens T' <= T(t) of  lr(T') / lr_peak  dT'        (effective tokens)
+       S2(t) = EMA over steps, decay lambda = exp(-1/tau), of  drop(t)
+       drop(t) = max_{t' <= t} lr(t') / lr_peak  -  lr(t) / lr_peak
+
+   This is the LR-annealing law of Tissue et al. 2024 ("Scaling Law with Learning Rate Annealing",
+   L(s) = L0 + A * S1^-alpha - C * S2 with S1 the summed LR and S2 = sum_i m_i,
+   m_i = lambda * m_{i-1} + (lr_{i-1} - lr_i)) with three changes that let one law span a ladder:
+
+   - S1 counts tokens, weighted by the LR relative to the run's own peak. At constant LR S1 = D and
+     S2 = 0, so the law *is* Chinchilla's L(N, D) there: the curves and the across-run fit above
+     describe the same surface. Tokens rather than steps let rungs with different batch sizes
+     share one axis. Relative LR because a ladder tunes the peak LR per rung: its magnitude says
+     how each rung was set up, not how far it has trained (the law does not model mis-tuned LRs).
+   - N enters as Chinchilla's additive A * N^-alpha, the simplest form in which a bigger model is
+     lower at every S1 and the constant-LR limit stays L(N, D). C and tau are shared by all sizes.
+   - S2 is normalized: (1 - lambda) * S2_Tissue equals the EMA of the LR drop (by induction:
+     y_i = lambda * y_{i-1} + (1 - lambda) * d_i = d_i - lambda * m_i), so S2 lies in [0, 1] and C
+     reads as "loss removed by annealing to zero, once settled". Measuring the drop from the
+     running peak means warmup adds nothing and a re-warmup gives the gain back.
+
+   Why not the multi-power law (Luo et al. 2025, L = L0 + A (S1 + S_W)^-alpha - LD(t) with
+   LD(t) = B sum_k (lr_{k-1} - lr_k) G(lr_k^-gamma S_k(t)), G(x) = 1 - (C x + 1)^-beta): it is
+   more faithful for deep, long anneals but adds nonlinear parameters that rungs of a few thousand
+   steps cannot pin down; Tissue's one delay tau fits constant, cosine, WSD and multi-step curves.
+   Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
+   Least squares on loss (not Huber): the curve residuals feed the Gaussian bands of `predict`.
+
+Bands come from `bootstrap_curve_law`: resample whole runs (checkpoints of one run share a seed,
+data order and fit error, so they are not independent draws; Efron & Tibshirani 1993),
+refit, and add each new run's own noise (`CurveBootstrap.run_sd`, `checkpoint_sd`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+from scipy import optimize, signal, special
+
+from moelab.config import DataError
+
+__all__ = [
+    "EnvelopeFit",
+    "ChinchillaFit",
+    "Run",
+    "CurveLaw",
+    "CurveBootstrap",
+    "lower_envelope",
+    "fit_compute_envelope",
+    "envelope_loss",
+    "envelope_compute",
+    "fit_chinchilla",
+    "chinchilla_loss",
+    "effective_tokens",
+    "anneal_drop",
+    "fitted_rows",
+    "curve_loss",
+    "curve_losses",
+    "fit_curve_law",
+    "bootstrap_curve_law",
+]
+
+# The L-BFGS-B stopping rule is relative to max(|f|, 1): with objectives far below 1 (a Huber sum at
+# delta = 1e-3 is ~1e-3 per point) the default ftol stops after a step or two. Besiroglu et al. 2024
+# ("Chinchilla Scaling: A replication attempt") found Hoffmann et al.'s published estimates do not
+# fit their own data and point to an optimizer that stopped early; every search here runs tight.
+_LBFGS_OPTIONS = {"ftol": 1e-14, "gtol": 1e-10, "maxiter": 1000}
+# A row counts as "at the peak LR" within this relative distance: CSVs print LRs rounded.
+_PEAK_TOLERANCE = 1e-6
+
+
+def _array(name: str, values, size: int | None = None, positive: bool = False) -> np.ndarray:
+    out = np.asarray(values, dtype=np.float64).reshape(-1)
+    if size is not None and len(out) != size:
+        raise DataError(f"{name} has {len(out)} values but the other inputs have {size}; pass one per point.")
+    if not np.all(np.isfinite(out)):
+        raise DataError(f"{name} holds a non-finite value ({out[~np.isfinite(out)][0]}); drop that point.")
+    if positive and np.any(out <= 0):
+        raise DataError(f"{name}={out[out <= 0][0]} is invalid: every value must be > 0.")
+    return out
+
+
+def _search(objective: Callable[[np.ndarray], float], start: np.ndarray, bounds) -> np.ndarray:
+    """L-BFGS-B from `start`, kept only if it improves on it (a failed line search can end worse)."""
+    result = optimize.minimize(objective, start, method="L-BFGS-B", bounds=bounds, options=_LBFGS_OPTIONS)
+    return result.x if result.fun <= objective(start) else np.asarray(start, dtype=np.float64)
+
+
+def _best_on_grid(objective: Callable[[np.ndarray], float], grids: Sequence[np.ndarray]) -> np.ndarray:
+    points = np.stack(np.meshgrid(*grids, indexing="ij"), -1).reshape(-1, len(grids))
+    return points[int(np.argmin([objective(p) for p in points]))]
+
+
+# ----------------------------------------------------------------------------------------------
+# compute envelope
+
+
+@dataclass(frozen=True)
+class EnvelopeFit:
+    """L(C) = loss_floor + coef * C^-exponent, C in training FLOPs."""
+
+    loss_floor: float
+    coef: float
+    exponent: float
+    floor_pinned: bool  # True: loss_floor was given, not fitted
+    rmse: float  # over the fitted points, in loss units
+
+
+def lower_envelope(compute, loss) -> tuple[np.ndarray, np.ndarray]:
+    """The frontier: sorted by compute, the points whose loss is below every cheaper point's."""
+    c = _array("compute", compute, positive=True)
+    l = _array("loss", loss, len(c))
+    order = np.argsort(c, kind="stable")
+    c, l = c[order], l[order]
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], l[:-1]]))
+    keep = l < best_before
+    return c[keep], l[keep]
+
+
+def fit_compute_envelope(compute, loss, loss_floor: float | None = None) -> EnvelopeFit:
+    """Fit L(C) = L_inf + A * C^-alpha by least squares; `loss_floor` pins L_inf.
+
+    Pass frontier points (`lower_envelope`) for the compute-optimal envelope. C is centred on its
+    geometric mean inside the fit, so A is solved at O(1) scale and only reported in raw units.
+    """
+    c = _array("compute", compute, positive=True)
+    l = _array("loss", loss, len(c))
+    need = 2 if loss_floor is not None else 3
+    if len(c) < need:
+        raise DataError(f"the envelope needs at least {need} points to fit {need} parameters; got {len(c)}.")
+    log_ref = float(np.mean(np.log(c)))
+    centred = np.log(c) - log_ref
+
+    def solve(alpha: float) -> tuple[float, float, float]:
+        column = np.exp(-alpha * centred)
+        if loss_floor is None:
+            (floor, coef), rnorm = optimize.nnls(np.column_stack([np.ones_like(column), column]), l)
+            return float(floor), float(coef), float(rnorm**2)
+        reducible = l - loss_floor
+        coef = max(float(column @ reducible / (column @ column)), 0.0)
+        return float(loss_floor), coef, float(np.sum((reducible - coef * column) ** 2))
+
+    def sse(p):
+        return solve(float(p[0]))[2]
+
+    start = _best_on_grid(sse, [np.geomspace(1e-3, 2.0, 40)])
+    (alpha,) = _search(sse, start, [(1e-4, 3.0)])
+    floor, coef, err = solve(float(alpha))
+    return EnvelopeFit(floor, coef * math.exp(alpha * log_ref), float(alpha), loss_floor is not None,
+                       math.sqrt(err / len(c)))
+
+
+def envelope_loss(fit: EnvelopeFit, compute):
+    """The envelope's loss at `compute` FLOPs."""
+    return fit.loss_floor + fit.coef * np.power(np.asarray(compute, dtype=np.float64), -fit.exponent)
+
+
+def envelope_compute(fit: EnvelopeFit, loss):
+    """The FLOPs at which the envelope reaches `loss`; inf at or below its floor (never reached)."""
+    reducible = np.asarray(loss, dtype=np.float64) - fit.loss_floor
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(reducible > 0, np.power(reducible / fit.coef, -1.0 / fit.exponent), np.inf)
+    return out if out.ndim else float(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chinchilla L(N, D)
+
+
+@dataclass(frozen=True)
+class ChinchillaFit:
+    """L(N, D) = e + a / N^alpha + b / D^beta, N parameters and D tokens."""
+
+    e: float
+    a: float
+    alpha: float
+    b: float
+    beta: float
+    huber_delta: float
+    objective: float  # summed Huber loss of the log residuals at the optimum
+
+
+def chinchilla_loss(fit: ChinchillaFit, params, tokens):
+    """Chinchilla's predicted loss for `params` parameters trained on `tokens` tokens."""
+    n, d = np.asarray(params, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+    return fit.e + fit.a * np.power(n, -fit.alpha) + fit.b * np.power(d, -fit.beta)
+
+
+def fit_chinchilla(params, tokens, loss, huber_delta: float = 1e-3) -> ChinchillaFit:
+    """Fit L(N, D) by Huber on log-loss (Hoffmann et al. 2022, approach 3); see the module docstring.
+
+    Exponent grid 0.05..1.5 (12 x 12), bounds [0.01, 3]; N and D are centred on their geometric
+    means inside the fit and A, B are reported in raw units.
+    """
+    n = _array("params", params, positive=True)
+    d = _array("tokens", tokens, len(n), positive=True)
+    l = _array("loss", loss, len(n), positive=True)
+    if len(n) < 6:
+        raise DataError(f"L(N, D) has 5 parameters and needs at least 6 (N, D, loss) points; got {len(n)}.")
+    if huber_delta <= 0:
+        raise DataError(f"huber_delta={huber_delta} is invalid: must be > 0 (Hoffmann et al. use 1e-3).")
+    ref_n, ref_d = float(np.mean(np.log(n))), float(np.mean(np.log(d)))
+    x_n, x_d, log_l = np.log(n) - ref_n, np.log(d) - ref_d, np.log(l)
+
+    def huber(e, a, alpha, b, beta) -> float:
+        pred = e + a * np.exp(-alpha * x_n) + b * np.exp(-beta * x_d)
+        residual = np.log(np.maximum(pred, 1e-12)) - log_l
+        # Divided by delta so the objective is ~sum |r| where it matters, not ~1e-3 of it.
+        return float(np.sum(special.huber(huber_delta, residual)) / huber_delta)
+
+    def project(alpha: float, beta: float) -> np.ndarray:
+        design = np.column_stack([np.ones_like(x_n), np.exp(-alpha * x_n), np.exp(-beta * x_d)])
+        coefs, _ = optimize.nnls(design / l[:, None], np.ones_like(l))
+        return coefs
+
+    def projected(p):
+        e, a, b = project(*p)
+        return huber(e, a, p[0], b, p[1])
+
+    grid = np.linspace(0.05, 1.5, 12)
+    alpha, beta = _search(projected, _best_on_grid(projected, [grid, grid]), [(0.01, 3.0)] * 2)
+    e, a, b = project(alpha, beta)
+
+    def joint(q):
+        return huber(q[0], q[1], q[3], q[2], q[4])
+
+    e, a, b, alpha, beta = _search(joint, np.array([e, a, b, alpha, beta]), [(0.0, None)] * 3 + [(0.01, 3.0)] * 2)
+    return ChinchillaFit(float(e), float(a * math.exp(alpha * ref_n)), float(alpha),
+                         float(b * math.exp(beta * ref_d)), float(beta), huber_delta,
+                         joint([e, a, b, alpha, beta]))
+
+
+# ----------------------------------------------------------------------------------------------
+# the curve law
+
+
+@dataclass(frozen=True, eq=False)
+class Run:
+    """One run's rows: a rung with its observed loss, or a planned run (loss None).
+
+    Arrays are float64, one value per row; `__post_init__` rejects anything the law cannot read,
+    naming the run, the step and the value.
+    """
+
+    name: str
+    params: float  # active non-embedding parameters N
+    steps: np.ndarray  # [R] optimizer steps, whole numbers, strictly increasing
+    tokens: np.ndarray  # [R] tokens trained on once that step is done, non-decreasing
+    lr: np.ndarray  # [R] the LR used at that step, >= 0
+    loss: np.ndarray | None = None  # [R] observed loss; None for a planned run
+
+    def __post_init__(self) -> None:
+        who = f"run {self.name!r}"
+        if not (isinstance(self.params, numbers.Real) and math.isfinite(self.params) and self.params > 0):
+            raise DataError(f"{who}: params={self.params!r} is invalid: the active non-embedding parameter "
+                            "count must be a positive number.")
+        arrays = {"step": self.steps, "tokens": self.tokens, "lr": self.lr}
+        if self.loss is not None:
+            arrays["loss"] = self.loss
+        arrays = {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in arrays.items()}
+        sizes = {k: len(v) for k, v in arrays.items()}
+        if len(set(sizes.values())) != 1:
+            raise DataError(f"{who}: columns have different lengths {sizes}; give one value per row.")
+        steps = arrays["step"]
+        if len(steps) == 0:
+            raise DataError(f"{who} has no rows.")
+        for column, values in arrays.items():
+            bad = ~np.isfinite(values)
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise DataError(f"{who}, row {i + 1}: {column}={values[i]} is not finite; drop that row.")
+        for column in ("step", "tokens", "lr"):
+            if np.any(arrays[column] < 0):
+                i = int(np.argmax(arrays[column] < 0))
+                raise DataError(f"{who}, step {steps[i]:g}: {column}={arrays[column][i]:g} is negative; "
+                                f"{column} must be >= 0.")
+        if np.any(steps != np.round(steps)):
+            i = int(np.argmax(steps != np.round(steps)))
+            raise DataError(f"{who}: step={steps[i]:g} is not a whole number of optimizer steps.")
+        if np.any(np.diff(steps) <= 0):
+            i = int(np.argmax(np.diff(steps) <= 0)) + 1
+            raise DataError(f"{who}: step {steps[i]:g} follows step {steps[i - 1]:g}; steps must strictly "
+                            "increase within a run (sort the rows by step and drop repeats).")
+        if np.any(np.diff(arrays["tokens"]) < 0):
+            i = int(np.argmax(np.diff(arrays["tokens"]) < 0)) + 1
+            raise DataError(f"{who}, step {steps[i]:g}: tokens={arrays['tokens'][i]:g} is below "
+                            f"{arrays['tokens'][i - 1]:g} at step {steps[i - 1]:g}; tokens count what the run "
+                            "has trained on so far and cannot go down.")
+        if arrays["lr"].max() <= 0:
+            raise DataError(f"{who}: lr is 0 at every row; the law measures progress in LR-weighted tokens, "
+                            "so a run needs a positive LR.")
+        object.__setattr__(self, "params", float(self.params))
+        object.__setattr__(self, "steps", steps)
+        object.__setattr__(self, "tokens", arrays["tokens"])
+        object.__setattr__(self, "lr", arrays["lr"])
+        if self.loss is not None:
+            object.__setattr__(self, "loss", arrays["loss"])
+
+
+@dataclass(frozen=True)
+class CurveLaw:
+    """L(N, t) = e + a * N^-alpha + b * S1(t)^-beta - c * S2(t); see the module docstring."""
+
+    e: float
+    a: float
+    alpha: float
+    b: float  # in raw tokens: b * S1^-beta with S1 in effective tokens
+    beta: float
+    c: float  # loss removed by a full anneal to zero LR, once settled
+    tau: float  # delay of the annealing gain, in optimizer steps (lambda = exp(-1 / tau))
+    rmse: float | None = None  # over the rows it was fitted to; None for a law written down by hand
+
+
+@dataclass(frozen=True)
+class CurveBootstrap:
+    """Refits on resampled runs, plus the noise a new run adds on top of the law.
+
+    A new run's loss at a row = the law + its own offset u (seed, data order; shared by all its rows)
+    + checkpoint noise e. From the full-data residuals r: u_r = mean of run r's residuals, with
+    run_dof = R - min(3, distinct sizes) degrees of freedom (E, A, alpha absorb up to three run
+    levels) and the checkpoint noise in those means removed; e = r - u_r, with checkpoint_dof =
+    n - R - 4 (B, beta, C, tau). The dofs matter: `predict` draws u and e from Student t's with them,
+    so an sd estimated from a handful of runs widens the band instead of being trusted.
+    run_dof = 0 means the spread between runs cannot be estimated (run_sd is then 0 and the bands
+    leave it out: they are too narrow).
+    """
+
+    laws: tuple[CurveLaw, ...]
+    run_sd: float
+    run_dof: int
+    checkpoint_sd: float
+    checkpoint_dof: int
+
+
+def _relative_lr(run: Run) -> np.ndarray:
+    return run.lr / run.lr.max()
+
+
+def _dense_lr(run: Run) -> np.ndarray:
+    """LR / peak LR at every step 0..last: linear between rows, the first row's value before it."""
+    return np.interp(np.arange(int(run.steps[-1]) + 1), run.steps, _relative_lr(run))
+
+
+def effective_tokens(run: Run) -> np.ndarray:
+    """S1 at each row: sum over steps of (LR / peak LR) x (tokens that step trained on).
+
+    LR and tokens are linear between rows, so with a row at every step this is the exact sum. Before
+    the first row the LR is taken as the first row's: the rows say nothing earlier, so log a row at
+    step 1 (or 0) if the warmup matters.
+    """
+    grid = np.arange(int(run.steps[-1]) + 1)
+    tokens = np.interp(grid, run.steps, run.tokens)
+    rel = _dense_lr(run)
+    first = int(run.steps[0])
+    s1 = np.concatenate([[0.0], np.cumsum(rel[first + 1:] * np.diff(tokens[first:]))]) + rel[first] * tokens[first]
+    return s1[(run.steps - first).astype(np.int64)]
+
+
+def _drop_profile(run: Run) -> np.ndarray:
+    """The LR's drop below its running peak (relative units) at every step 0..last."""
+    dense = _dense_lr(run)
+    return np.maximum.accumulate(dense) - dense
+
+
+def _ema(drop: np.ndarray, tau: float) -> np.ndarray:
+    decay = math.exp(-1.0 / tau)
+    return signal.lfilter([1.0 - decay], [1.0, -decay], drop)
+
+
+def anneal_drop(run: Run, tau: float) -> np.ndarray:
+    """S2 at each row: the EMA over steps (decay exp(-1/tau)) of the LR's drop below its running peak."""
+    return _ema(_drop_profile(run), tau)[run.steps.astype(np.int64)]
+
+
+def fitted_rows(run: Run) -> np.ndarray:
+    """[R] bool: the rows the law describes, from the first at the run's peak LR on and with S1 > 0."""
+    at_peak = _relative_lr(run) >= 1.0 - _PEAK_TOLERANCE
+    return (np.arange(len(run.steps)) >= int(np.argmax(at_peak))) & (effective_tokens(run) > 0)
+
+
+def curve_losses(laws: Sequence[CurveLaw], run: Run) -> np.ndarray:
+    """[L, R] each law's loss at each row of `run`; NaN where S1 = 0 (before any training).
+
+    S1 and the LR-drop profile are computed once for all laws: on a 10^6-step plan they cost more
+    than evaluating a law.
+    """
+    s1, drop, picks = effective_tokens(run), _drop_profile(run), run.steps.astype(np.int64)
+    safe_s1 = np.where(s1 > 0, s1, 1.0)
+    out = np.empty((len(laws), len(s1)))
+    for i, law in enumerate(laws):
+        data_term = np.where(s1 > 0, law.b * safe_s1**-law.beta, np.nan)
+        out[i] = law.e + law.a * run.params**-law.alpha + data_term - law.c * _ema(drop, law.tau)[picks]
+    return out
+
+
+def curve_loss(law: CurveLaw, run: Run) -> np.ndarray:
+    """[R] the law's loss at each row of `run`; NaN where S1 = 0 (before any training)."""
+    return curve_losses([law], run)[0]
+
+
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """One run as the curve-law objective reads it: its fitted rows and its dense LR-drop profile."""
+
+    log_params: float
+    log_s1: np.ndarray  # [F] fitted rows only
+    loss: np.ndarray  # [F]
+    drop: np.ndarray  # [last step + 1]
+    picks: np.ndarray  # [F] int steps of the fitted rows
+
+
+def _rows(run: Run) -> _Rows:
+    if run.loss is None:
+        raise DataError(f"run {run.name!r} has no loss column; the fit needs observed losses.")
+    keep = fitted_rows(run)
+    return _Rows(math.log(run.params), np.log(effective_tokens(run)[keep]), run.loss[keep], _drop_profile(run),
+                 run.steps[keep].astype(np.int64))
+
+
+def _fit_rows(rows: Sequence[_Rows], start: np.ndarray | None) -> CurveLaw:
+    """Least squares over (alpha, beta, log tau) with (E, A, B, C) >= 0 projected out by NNLS."""
+    log_n = np.concatenate([np.full(len(r.loss), r.log_params) for r in rows])
+    log_s1 = np.concatenate([r.log_s1 for r in rows])
+    loss = np.concatenate([r.loss for r in rows])
+    ref_n, ref_s = float(np.mean([r.log_params for r in rows])), float(np.mean(log_s1))
+    x_n, x_s = log_n - ref_n, log_s1 - ref_s
+    max_step = max(len(r.drop) for r in rows)
+
+    def project(p) -> tuple[np.ndarray, float]:
+        alpha, beta, log_tau = p
+        s2 = np.concatenate([_ema(r.drop, math.exp(log_tau))[r.picks] for r in rows])
+        design = np.column_stack([np.ones_like(loss), np.exp(-alpha * x_n), np.exp(-beta * x_s), -s2])
+        coefs, rnorm = optimize.nnls(design, loss)
+        return coefs, float(rnorm**2)
+
+    def sse(p):
+        return project(p)[1]
+
+    bounds = [(0.01, 3.0), (0.01, 3.0), (0.0, math.log(10 * max_step))]
+    if start is None:
+        exponents = np.linspace(0.05, 1.2, 8)
+        start = _best_on_grid(sse, [exponents, exponents, np.log(np.geomspace(1, max_step, 7))])
+    alpha, beta, log_tau = _search(sse, np.clip(start, *np.array(bounds).T), bounds)
+    (e, a, b, c), err = project((alpha, beta, log_tau))
+    return CurveLaw(float(e), float(a * math.exp(alpha * ref_n)), float(alpha), float(b * math.exp(beta * ref_s)),
+                    float(beta), float(c), math.exp(log_tau), math.sqrt(err / len(loss)))
+
+
+def _check_ladder(runs: Sequence[Run]) -> list[_Rows]:
+    if len(runs) < 2:
+        raise DataError(f"the curve law needs at least 2 runs to fit how loss falls with N; got {len(runs)}.")
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise DataError(f"run names repeat ({sorted({n for n in names if names.count(n) > 1})}); name each run once.")
+    if len({r.params for r in runs}) < 2:
+        raise DataError(f"every run has params={runs[0].params:g}; the law needs at least 2 different sizes.")
+    rows = [_rows(r) for r in runs]
+    num_rows = sum(len(r.loss) for r in rows)
+    if num_rows < 8:
+        raise DataError(f"only {num_rows} rows are past warmup with tokens > 0; the law has 7 parameters and "
+                        "needs at least 8 rows (log more evals per run).")
+    return rows
+
+
+def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
+    """Fit the curve law jointly on every post-warmup row of every run (least squares on loss).
+
+    Grid: alpha, beta in 0.05..1.2 (8 each), tau in 1..last step (7, log-spaced); then L-BFGS-B
+    within alpha, beta in [0.01, 3] and tau in [1, 10 x last step].
+    """
+    return _fit_rows(_check_ladder(runs), start=None)
+
+
+def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = 200,
+                        seed: int = 0) -> CurveBootstrap:
+    """Refit on `num_samples` resamples of whole runs, warm-started at `law`; estimate the run noise.
+
+    A resample must hold at least min(3, distinct sizes) distinct sizes: with fewer, E, A and alpha
+    are not identified and the refit would answer another question. Warm starts skip the grid, the
+    usual compromise that keeps each refit local to the full-data optimum.
+    """
+    rows = _check_ladder(runs)
+    rng = np.random.default_rng(seed)
+    sizes = np.array([r.params for r in runs])
+    need = min(3, len(set(sizes.tolist())))
+    start = np.array([law.alpha, law.beta, math.log(law.tau)])
+    laws = []
+    while len(laws) < num_samples:
+        pick = rng.integers(len(runs), size=len(runs))
+        if len(set(sizes[pick].tolist())) >= need:
+            laws.append(_fit_rows([rows[i] for i in pick], start))
+
+    offsets, spreads, counts = [], [], []
+    for run in runs:
+        keep = fitted_rows(run)
+        residual = run.loss[keep] - curve_loss(law, run)[keep]
+        offsets.append(residual.mean())
+        spreads.append(np.sum((residual - residual.mean()) ** 2))
+        counts.append(len(residual))
+    checkpoint_dof = max(sum(counts) - len(runs) - 4, 1)
+    checkpoint_var = sum(spreads) / checkpoint_dof
+    run_dof = len(runs) - min(3, len(set(sizes.tolist())))
+    run_var = 0.0
+    if run_dof > 0:
+        noise_in_means = checkpoint_var * float(np.mean(1 / np.array(counts)))
+        run_var = max(float(np.sum(np.square(offsets))) / run_dof - noise_in_means, 0.0)
+    return CurveBootstrap(tuple(laws), math.sqrt(run_var), run_dof, math.sqrt(checkpoint_var), checkpoint_dof)

@@ -1,0 +1,91 @@
+"""Running a ladder: train the rungs, write their curves, fit the curve law, predict the target.
+
+    moelab ladder run experiments/ladder-cpu.yaml --out runs/ladder
+
+Layout of `--out`:
+
+    rungs/<name>/      each rung's training run (resumable: re-running the command skips or resumes)
+    curves.csv         every eval of every rung, in the CURVES.csv contract (`ladder.predict`)
+    target.csv         the target's planned schedule at its eval steps (TARGET.csv)
+    prediction.csv     target rows + loss_pred, lo80, hi80, lo95, hi95 (PRED.csv)
+    fit.json           the fitted law's summary
+
+The loss of a checkpoint is `eval/mean`, the mean held-out loss over the data domains.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from moelab.accounting import count_params
+from moelab.config import RunConfig
+from moelab.ladder.rungs import EVALS_PER_RUN, LadderRecipe, check_monotone, rungs_of
+
+__all__ = ["curve_rows", "target_rows", "write_csv", "run_ladder", "target_config"]
+
+CURVE_LOSS = "eval/mean"
+
+
+def curve_rows(cfg: RunConfig, run_dir: Path) -> list[dict]:
+    """One CURVES.csv row per eval record of a finished run."""
+    params = count_params(cfg.model).active
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if CURVE_LOSS in record:
+            rows.append({"run": cfg.name, "params": params, "step": record["step"], "tokens": record["tokens"],
+                         "lr": record["lr"], "loss": record[CURVE_LOSS]})
+    return rows
+
+
+def target_rows(cfg: RunConfig) -> list[dict]:
+    """TARGET.csv rows: the planned LR and tokens at each step the target will evaluate."""
+    from moelab.train.schedule import learning_rate
+
+    lr = learning_rate(cfg.train)
+    params = count_params(cfg.model).active
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    evals = sorted({*range(cfg.train.eval_every, cfg.train.steps + 1, cfg.train.eval_every), cfg.train.steps})
+    # The loop logs the LR it used for the step that ends at `step`, i.e. schedule(step - 1).
+    return [{"run": cfg.name, "params": params, "step": s, "tokens": s * tokens_per_step, "lr": float(lr(s - 1))}
+            for s in evals]
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def target_config(recipe: LadderRecipe) -> RunConfig:
+    """The target as it is trained and predicted: warming up for 5% and evaluating every 5%, like the rungs."""
+    cfg = recipe.target
+    every = max(1, cfg.train.steps // EVALS_PER_RUN)
+    return replace(cfg, train=replace(cfg.train, eval_every=every, warmup_steps=every))
+
+
+def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],
+               num_bootstrap: int = 200) -> dict:
+    """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target."""
+    from moelab.ladder.predict import fit_curves
+
+    configs = rungs_of(recipe)
+    check_monotone(configs)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = []
+    for cfg in configs:
+        run_dir = out / "rungs" / cfg.name
+        if not (run_dir / "summary.json").is_file():
+            train_fn(cfg, run_dir)
+        curves += curve_rows(cfg, run_dir)
+    target = target_config(recipe)
+    write_csv(out / "curves.csv", curves)
+    write_csv(out / "target.csv", target_rows(target))
+    summary = fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap)
+    (out / "fit.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

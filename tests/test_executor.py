@@ -1,0 +1,299 @@
+"""The executor: completed steps are skipped, a changed versioned field re-runs exactly what lies downstream,
+--dry-run predicts what runs, crashes never pass for success, and Ray runs the same DAG."""
+
+import fcntl
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import run_cli
+
+from moelab.config import ConfigError
+from moelab.lab.executor import FAILED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
+from moelab.lab.ledger import append, open_ledger, records, verify
+
+STEP_FILES = {"STATUS", "step.json"}  # what the executor writes before the step function starts
+
+
+def compute(ctx):
+    """A step that logs that it ran and writes a value built from its config and its inputs' values.
+
+    It fails (after writing part of its output) when its unversioned `fail` flag is set, and it checks
+    that it starts in an empty directory: partial output of an earlier attempt must never be reused.
+    """
+    with open(ctx.config["log"], "a") as f:
+        f.write(ctx.name + "\n")
+    leftovers = {p.name for p in ctx.output_dir.iterdir()} - STEP_FILES
+    assert not leftovers, f"{ctx.name} started in a directory holding {leftovers}"
+    inputs = [(ctx.deps[d] / "value.txt").read_text() for d in sorted(ctx.deps)]
+    value = f"{ctx.name}{ctx.config['x']}({','.join(inputs)})"
+    (ctx.output_dir / "value.txt").write_text(value)
+    if ctx.config["fail"]:
+        raise RuntimeError(f"{ctx.name} failed on purpose")
+    return {"value": value}
+
+
+def diamond(log, x=None, fail=None, note=""):
+    """a -> b -> c and a -> d. `x` maps step names to their versioned field; `note` is unversioned."""
+    x = {"a": 1, "b": 1, "c": 1, "d": 1, **(x or {})}
+
+    def step(name, deps=()):
+        return Step(name, compute, {"x": versioned(x[name]), "log": str(log), "fail": name == fail, "note": note},
+                    deps)
+
+    return [step("a"), step("b", ("a",)), step("c", ("b",)), step("d", ("a",))]
+
+
+def ran(log):
+    """The steps that ran since the log was last read, and empties it."""
+    names = log.read_text().split() if log.exists() else []
+    log.write_text("")
+    return sorted(names)
+
+
+def to_run(planned):
+    return sorted(p.name for p in planned if p.action == "run")
+
+
+def test_completed_steps_are_skipped_and_dry_run_matches_what_runs(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    planned = plan(diamond(log), root)
+    assert to_run(planned) == ["a", "b", "c", "d"] and not root.exists(), "a dry run writes nothing"
+    outcomes = execute(diamond(log), root)
+    assert ran(log) == to_run(planned)
+    assert [(o.name, o.action, o.status) for o in outcomes] == [(n, "ran", SUCCESS) for n in "abcd"]
+    by_name = {o.name: o for o in outcomes}
+    assert by_name["c"].result == {"value": "c1(b1(a1()))"}
+    assert by_name["c"].output_dir == root / f"c-{by_name['c'].version[:8]}"
+    assert json.loads((by_name["c"].output_dir / "result.json").read_text()) == {"value": "c1(b1(a1()))"}
+
+    assert [p.action for p in plan(diamond(log), root)] == ["skip"] * 4
+    assert [o.action for o in execute(diamond(log), root)] == ["skipped"] * 4 and ran(log) == []
+
+
+@pytest.mark.parametrize("changed, downstream", [("a", "abcd"), ("b", "bc"), ("c", "c"), ("d", "d")])
+def test_changing_a_versioned_field_reruns_exactly_the_steps_downstream_of_it(changed, downstream, tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    first = {o.name: o for o in execute(diamond(log), root)}
+    ran(log)
+    steps = diamond(log, x={changed: 2})
+    planned = plan(steps, root)
+    assert to_run(planned) == sorted(downstream)
+    outcomes = {o.name: o for o in execute(steps, root)}
+    assert ran(log) == sorted(downstream), "the dry run must say exactly what then runs"
+    for name, o in outcomes.items():
+        assert o.status == SUCCESS
+        assert (o.output_dir != first[name].output_dir) == (name in downstream)
+        assert (o.action == "ran") == (name in downstream)
+    assert all(o.output_dir.exists() for o in first.values()), "older versions stay where they were"
+
+
+def test_unversioned_fields_change_neither_versions_nor_what_runs(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    first = [o.output_dir for o in execute(diamond(log), root)]
+    ran(log)
+    steps = diamond(tmp_path / "other-log", note="a comment")
+    assert [p.output_dir for p in plan(steps, root)] == first
+    assert [o.action for o in execute(steps, root)] == ["skipped"] * 4
+
+
+def test_a_step_that_crashes_is_left_failed_and_its_partial_output_is_not_reused(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    outcomes = {o.name: o for o in execute(diamond(log, fail="b"), root)}
+    assert ran(log) == ["a", "b", "d"], "c depends on b and must not start"
+    assert (outcomes["b"].action, outcomes["b"].status) == ("ran", FAILED)
+    assert "b failed on purpose" in outcomes["b"].error
+    assert (outcomes["c"].action, outcomes["c"].status) == ("blocked", None)
+    assert outcomes["a"].status == outcomes["d"].status == SUCCESS
+    b_dir = outcomes["b"].output_dir
+    assert read_status(b_dir) == FAILED and not outcomes["c"].output_dir.exists()
+    assert "RuntimeError: b failed on purpose" in json.loads((b_dir / "step.json").read_text())["error"]
+
+    planned = {p.name: p for p in plan(diamond(log), root)}
+    assert to_run(planned.values()) == ["b", "c"] and "FAILED before" in planned["b"].reason
+    outcomes = {o.name: o for o in execute(diamond(log), root)}  # the fix is unversioned: same directories
+    assert ran(log) == ["b", "c"]  # `compute` asserts that b starts in an empty directory
+    assert outcomes["b"].output_dir == b_dir and read_status(b_dir) == SUCCESS
+    [aside] = root.glob(f"{b_dir.name}.failed-*")
+    assert read_status(aside) == FAILED and (aside / "value.txt").exists(), "the failed attempt is kept aside"
+
+
+KILLED_STEP = """
+import os, sys
+from moelab.lab.executor import Step, execute, versioned
+
+def killed(ctx):
+    (ctx.output_dir / "value.txt").write_text("half")
+    os._exit(9)  # no exception, no cleanup: what the OOM killer or a lost node does
+
+execute([Step("a", killed, {"x": versioned(1), "log": sys.argv[2], "fail": False, "note": ""})], sys.argv[1])
+"""
+
+
+def test_a_step_killed_mid_run_is_never_success_and_runs_again_from_scratch(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    steps = diamond(log)[:1]
+    done = subprocess.run([sys.executable, "-c", KILLED_STEP, str(root), str(log)], capture_output=True, text=True)
+    assert done.returncode == 9, done.stderr
+    [planned] = plan(steps, root)
+    assert read_status(planned.output_dir) == RUNNING
+    assert planned.action == "run" and "crashed while RUNNING" in planned.reason
+    [outcome] = execute(steps, root)
+    assert outcome.status == SUCCESS and (outcome.output_dir / "value.txt").read_text() == "a1()"
+    assert len(list(root.glob("a-*.failed-*"))) == 1
+
+
+def test_a_step_locked_by_another_process_is_waited_for_and_then_skipped(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    steps = diamond(log)[:1]
+    [planned] = plan(steps, root)
+    lock_path = root / ".locks" / f"{planned.output_dir.name}.lock"
+    lock_path.parent.mkdir(parents=True)
+    holder = open(lock_path, "a")  # a second open file: flock treats it like another process
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    assert plan(steps, root)[0].action == "wait"
+
+    def finish_elsewhere():
+        time.sleep(0.5)
+        planned.output_dir.mkdir()
+        (planned.output_dir / "STATUS").write_text(SUCCESS)
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        holder.close()
+
+    other = threading.Thread(target=finish_elsewhere)
+    other.start()
+    [outcome] = execute(steps, root)
+    other.join()
+    assert (outcome.action, outcome.status, outcome.waited) == ("skipped", SUCCESS, True) and ran(log) == []
+
+
+@pytest.mark.parametrize("steps, message", [
+    ([Step("a", compute), Step("a", compute)], "two steps are named 'a'"),
+    ([Step("a", compute, deps=("z",))], "depends on 'z', which is not a step"),
+    ([Step("a", compute, deps=("b",)), Step("b", compute, deps=("a",))], "cycle (a -> b -> a)"),
+])
+def test_an_ill_formed_dag_is_refused_before_anything_runs(steps, message, tmp_path):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan(steps, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_name_that_is_not_a_directory_name_is_refused():
+    with pytest.raises(ConfigError, match="step name '../up' is invalid"):
+        Step("../up", compute)
+
+
+# ----------------------------------------------------------------------------------------------
+# `moelab lab run`
+
+
+def test_lab_run_trains_a_registered_config_and_puts_every_step_on_the_ledger(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = {
+        "id": "tiny-smoke", "title": "Two steps of the tiny preset", "question": "Does the lab run train?",
+        "hypothesis": "It finishes.", "owner": "tests",
+        "prediction": {"metric": "loss", "band": [None, 10.0], "decision_rule": "The run finishes below 10."},
+        "config": {"preset": "tiny", "overrides": {
+            "train.steps": 2, "train.batch_size": 2, "train.eval_batches": 1, "train.warmup_steps": 1,
+            "model.seq_len": 16, "data.max_bytes_per_domain": 50_000}},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    lab = ["--ledger", str(tmp_path / "ledger.sqlite")]
+    assert run_cli(["lab", "register", "spec.yaml", *lab], monkeypatch, capsys)[0] == 0
+
+    code, out, _ = run_cli(["lab", "run", "tiny-smoke", "--dry-run", "--json", *lab], monkeypatch, capsys)
+    [planned] = json.loads(out)
+    assert code == 0 and planned["action"] == "run" and not Path(planned["output_dir"]).exists()
+    code, out, _ = run_cli(["lab", "run", "tiny-smoke", "--json", *lab], monkeypatch, capsys)
+    [outcome] = json.loads(out)
+    assert code == 0 and outcome["status"] == SUCCESS and outcome["output_dir"] == planned["output_dir"]
+    run_dir = Path(outcome["output_dir"])
+    assert run_dir.parent == tmp_path / "runs" / "lab" / "tiny-smoke" and run_dir.name.startswith("train-")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 2 and outcome["result"] == summary
+
+    code, out, _ = run_cli(["lab", "run", "tiny-smoke", "--json", *lab], monkeypatch, capsys)
+    assert code == 0 and json.loads(out)[0]["action"] == "skipped"
+    code, out, _ = run_cli(["lab", "show", "tiny-smoke", "--json", *lab], monkeypatch, capsys)
+    shown = json.loads(out)
+    assert [r["body"]["event"] for r in shown["runs"]] == ["started", "finished", "skipped"]
+    assert all(r["body"]["spec_hash"] == shown["spec_hash"] for r in shown["runs"])
+    assert shown["runs"][1]["body"]["result"]["step"] == 2
+    assert run_cli(["lab", "verify", *lab], monkeypatch, capsys)[0] == 0
+
+
+def test_lab_run_rejects_an_unknown_backend_with_exit_2(tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(["lab", "run", "x", "--backend", "slurm", "--ledger", str(tmp_path / "l.sqlite")],
+                           monkeypatch, capsys)
+    assert code == 2 and "--backend='slurm' is invalid: use one of local, ray" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster as small as Ray allows: 2 CPUs, no dashboard, an 80 MiB object store."""
+    import ray
+
+    # Ray starts its daemons with subprocess (fork + exec at once); JAX, loaded by an earlier test, warns
+    # about any fork. Nothing runs between the fork and the exec, so the warning does not apply.
+    warnings.filterwarnings("ignore", message="os.fork\\(\\) was called", category=RuntimeWarning)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
+             log_to_driver=False, configure_logging=False,
+             # workers import this module to unpickle the step functions
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                                      os.environ.get("PYTHONPATH", "")])}})
+    yield ray
+    ray.shutdown()
+
+
+def record_event(ledger, event):
+    append(ledger, "run", "ray-test", event)
+
+
+def test_the_ray_backend_runs_a_three_step_dag_on_a_local_cluster(ray_cluster, tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    ledger = open_ledger(tmp_path / "ledger.sqlite", create=True)
+    steps = diamond(log)[:3]  # a -> b -> c
+    outcomes = execute(steps, root, backend="ray", on_event=functools.partial(record_event, ledger))
+    assert [(o.name, o.action, o.status) for o in outcomes] == [(n, "ran", SUCCESS) for n in "abc"]
+    assert outcomes[-1].result == {"value": "c1(b1(a1()))"} and ran(log) == ["a", "b", "c"]
+    events = [r.body for r in records(ledger)]
+    assert [(e["step"], e["event"]) for e in events] == [(n, e) for n in "abc" for e in ("started", "finished")]
+    assert all(e["pid"] != os.getpid() for e in events), "the steps ran in Ray workers"
+    assert verify(ledger).ok, "workers appended to the ledger concurrently with the chain intact"
+    # Same versions and directories as the local backend: the local one now finds everything done.
+    assert [p.action for p in plan(steps, root)] == ["skip"] * 3
+    assert [o.action for o in execute(steps, root, backend="ray")] == ["skipped"] * 3
+
+
+def test_a_failing_step_on_ray_is_failed_and_blocks_what_depends_on_it(ray_cluster, tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    outcomes = {o.name: o for o in execute(diamond(log, fail="a")[:3], root, backend="ray")}
+    assert outcomes["a"].status == FAILED and read_status(outcomes["a"].output_dir) == FAILED
+    assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == ["a"]
+
+
+def die(ctx):
+    (ctx.output_dir / "value.txt").write_text("half")
+    os._exit(9)
+
+
+def test_a_ray_worker_that_dies_inside_a_step_leaves_it_failed(ray_cluster, tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    steps = [Step("a", die, {"x": versioned(1)}), *diamond(log)[1:3]]
+    outcomes = {o.name: o for o in execute(steps, root, backend="ray")}
+    assert outcomes["a"].status == FAILED and "worker lost" in outcomes["a"].error
+    assert read_status(outcomes["a"].output_dir) == FAILED
+    assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == []

@@ -1,0 +1,114 @@
+"""Ladder rungs and the `moelab ladder` commands: plan reproduces the presets; bad recipes exit 2."""
+
+import csv
+import json
+
+import pytest
+
+from helpers import run_cli
+
+from moelab import accounting, presets
+from moelab.config import ConfigError, override
+from moelab.ladder.rungs import LadderRecipe, make_rung, rungs_of, scale_model, tokens_per_active_param
+from moelab.ladder.run import target_rows, write_csv
+
+
+@pytest.mark.parametrize("d, layers", presets.FRONTIER_LADDER)
+def test_rungs_of_the_frontier_reproduce_the_ladder_presets(d, layers):
+    frontier = presets.get("frontier-535b")
+    rung = make_rung(frontier, d, layers, batch_size=256)
+    preset = presets.get(f"ladder-d{d}")
+    assert rung.model == preset.model
+    assert rung.train.steps == preset.train.steps
+    m = rung.model
+    assert (m.num_heads, m.dim_per_head, m.moe.num_experts, m.moe.num_experts_per_token) == (d // 128, 128, 384, 8)
+    assert m.moe.expert_dim == m.moe.latent_dim == m.moe.shared_dim == d // 2
+
+
+def test_rungs_keep_the_targets_tokens_per_active_parameter():
+    frontier = presets.get("frontier-535b")
+    ratio = tokens_per_active_param(frontier)
+    for d, layers in presets.FRONTIER_LADDER:
+        rung = make_rung(frontier, d, layers, batch_size=256)
+        # steps are whole: the ratio holds to within one step's tokens
+        assert abs(tokens_per_active_param(rung) - ratio) * accounting.count_params(rung.model).active \
+            <= 256 * 4096
+
+
+def test_scale_model_rejects_a_width_that_breaks_the_head_size():
+    with pytest.raises(ConfigError, match="d_model=100"):
+        scale_model(presets.get("frontier-535b").model, 100, 4)
+
+
+def test_a_recipe_needs_two_rungs():
+    with pytest.raises(ConfigError, match="at least 2"):
+        LadderRecipe(presets.get("tiny"), ((32, 2),))
+
+
+def test_target_rows_carry_the_planned_lr_at_each_eval():
+    cfg = override(presets.get("tiny"), {"train.steps": 100, "train.eval_every": 10})
+    rows = target_rows(cfg)
+    assert [r["step"] for r in rows] == list(range(10, 101, 10))
+    assert rows[-1]["lr"] < rows[0]["lr"] or cfg.train.warmup_steps >= 10
+
+
+def test_ladder_plan_preset_prints_the_rungs_and_target_as_json(monkeypatch, capsys):
+    code, out, _ = run_cli(["ladder", "plan", "--preset", "frontier-535b", "--json"], monkeypatch, capsys)
+    rows = json.loads(out)
+    assert code == 0 and [r["name"] for r in rows] == ["ladder-d768", "ladder-d1024", "ladder-d1536", "ladder-d2048",
+                                                       "frontier-535b"]
+    assert rows[0]["steps"] == presets.get("ladder-d768").train.steps
+
+
+def test_ladder_plan_of_a_recipe_file(tmp_path, monkeypatch, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("target: {preset: tiny}\nrungs: [[32, 1], [48, 2]]\nrung_batch_size: 8\n")
+    code, out, _ = run_cli(["ladder", "plan", str(recipe), "--json"], monkeypatch, capsys)
+    rows = json.loads(out)
+    assert code == 0 and [r["d_model"] for r in rows] == [32, 48, 64]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("target: {preset: tiny}\n", "must have the keys target and rungs"),
+    ("target: {preset: tiny}\nrungs: [[32, 1]]\n", "at least 2"),
+    ("target: {preset: tiny}\nrungs: [[48, 2], [32, 1]]\n", "must grow in active parameters"),
+    ("target: {preset: nope}\nrungs: [[32, 1], [48, 2]]\n", "unknown preset"),
+    ("target: [unclosed\n", "not valid YAML"),
+])
+def test_bad_recipes_exit_2_with_a_clear_message(content, message, tmp_path, monkeypatch, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(content)
+    code, _, err = run_cli(["ladder", "plan", str(recipe)], monkeypatch, capsys)
+    assert code == 2 and message in " ".join(err.split())
+
+
+def test_ladder_fit_command_bad_csv_exits_2(tmp_path, monkeypatch, capsys):
+    curves = tmp_path / "curves.csv"
+    curves.write_text("run,params,step,tokens,lr\nA,1,1,1,0.1\n")  # no loss column
+    target = tmp_path / "target.csv"
+    write_csv(target, [{"run": "T", "params": 10, "step": 1, "tokens": 1, "lr": 0.1}])
+    code, _, err = run_cli(["ladder", "fit", "--curves", str(curves), "--target", str(target),
+                            "--out", str(tmp_path / "pred.csv")], monkeypatch, capsys)
+    assert code == 2 and "loss" in err
+    assert not (tmp_path / "pred.csv").exists()
+
+
+def test_ladder_run_trains_rungs_fits_and_predicts_the_target(tmp_path, monkeypatch, capsys):
+    """Two tiny rungs end to end: curves.csv has every eval, prediction.csv every target eval with bands."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "target: {preset: tiny, overrides: {train.steps: 60, train.eval_batches: 1}}\n"
+        "rungs: [[16, 1], [32, 1]]\nrung_batch_size: 8\n")
+    out = tmp_path / "ladder"
+    code, stdout, err = run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    curves = list(csv.DictReader(open(out / "curves.csv")))
+    assert {r["run"] for r in curves} == {"ladder-d16", "ladder-d32"}
+    pred = list(csv.DictReader(open(out / "prediction.csv")))
+    assert len(pred) == 20 and all(float(r["lo95"]) <= float(r["loss_pred"]) <= float(r["hi95"]) for r in pred)
+    assert json.loads(stdout)["law"]
+    # A second run reuses the finished rungs.
+    mtime = (out / "rungs" / "ladder-d16" / "summary.json").stat().st_mtime
+    run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)
+    assert (out / "rungs" / "ladder-d16" / "summary.json").stat().st_mtime == mtime
+    assert len(rungs_of(LadderRecipe(presets.get("tiny"), ((16, 1), (32, 1)), 8))) == 2

@@ -1,0 +1,397 @@
+"""Expert parallelism on 8 simulated CPU devices: `ep` computes the dense reference's function, drops
+exactly what its pool and receiver rules say, trains like one device, and rejects bad meshes."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moelab import cli, presets
+from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_yaml, override
+from moelab.data.mixture import phase_at, sample_batch
+from moelab.model import dispatch as dispatch_lib
+from moelab.model import moe, transformer
+from moelab.model.router import route
+from moelab.parallel import ep
+from moelab.parallel import mesh as mesh_lib
+from moelab.train.loop import make_train_step, prepare_corpus, train
+from moelab.train.state import init_sharded_state, state_shardings
+
+E, K = 8, 2  # experts, top-k
+B, S = 8, 8  # batch, sequence: T = 64 tokens per MoE layer, 8 per device
+MESHES = {"2x4": MeshConfig(replica=2, expert=4), "1x8": MeshConfig(replica=1, expert=8)}
+
+if jax.device_count() < 8:  # conftest.py sets the flag; this only fires if jax started before it
+    pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8", allow_module_level=True)
+
+
+def _cfg(dispatch: str, latent: bool, num_waves: int = 1, capacity_factor: float = 1.0,
+         transport_capacity_factor: float | None = None) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=S,
+        moe=MoEConfig(
+            num_experts=E, num_experts_per_token=K, expert_dim=16, num_shared_experts=1, shared_expert_dim=8,
+            latent_dim=16 if latent else None, capacity_factor=capacity_factor, dispatch=dispatch, num_waves=num_waves,
+            transport_capacity_factor=transport_capacity_factor,
+        ),
+    )
+
+
+# Factors that make every buffer as large as it can ever need to be (`pool_size` and
+# `receiver_capacity` clip them to that bound), so nothing can drop whatever the routing.
+NO_DROPS = 1000.0
+
+
+def _relative_error(a, b) -> float:
+    """max|a - b| / max|b|: relative to the tensor's largest entry (see test_dispatch.py for why)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# ----------------------------------------------------------------------------------------------
+# equivalence with the dense reference
+#
+# Tolerance everywhere: 1e-5 relative to each tensor's largest entry, as in test_dispatch.py. The
+# backends add the same float32 products in different orders (per-device partial sums, buffers
+# instead of masked dense sums), which leaves ~1e-6; a wrong row, weight or expert shows up at order 1.
+# The MoE layer is checked on the whole grid (it is the only code `ep` changes; its input gradient
+# is what flows on to everything upstream), the whole model on one case per mesh.
+
+
+def _assert_close(got, want, what: str) -> None:
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        err = _relative_error(g, w)
+        assert err < 1e-5, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+def _ep_cfg(latent: bool, num_waves: int) -> ModelConfig:
+    return _cfg("ep", latent, num_waves, capacity_factor=NO_DROPS, transport_capacity_factor=NO_DROPS)
+
+
+def _moe_objective(params, x, bias, cotangent, cfg, ep_dispatch):
+    y, stats = moe.apply(params, x, bias, cfg, ep_dispatch=ep_dispatch)
+    # A random projection of the output: its gradient reaches every entry of y.
+    return jnp.sum(y * cotangent), (y, stats)
+
+
+_moe_grad = jax.jit(jax.value_and_grad(_moe_objective, argnums=(0, 1), has_aux=True), static_argnums=(4, 5))
+
+
+def _moe_inputs(latent: bool):
+    cfg = _cfg("dense", latent)
+    k_params, k_x, k_bias, k_cot = jax.random.split(jax.random.key(17 + latent), 4)
+    x = jax.random.normal(k_x, (B * S, cfg.d_model))
+    bias = 0.05 * jax.random.normal(k_bias, (E,))  # selection differs from plain top-k of the scores
+    return moe.init(cfg, k_params), x, bias, jax.random.normal(k_cot, (B * S, cfg.d_model))
+
+
+_references: dict = {}
+
+
+def _reference(grad_fn, inputs, latent: bool):
+    """The single-device dense result, shared by the meshes and wave counts that compare against it."""
+    key = (grad_fn, latent)
+    if key not in _references:
+        _references[key] = grad_fn(*inputs(latent), _cfg("dense", latent), None)
+    return _references[key]
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["full-width", "latent"])
+@pytest.mark.parametrize("num_waves", [1, 3])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_ep_moe_layer_matches_dense_in_output_and_every_gradient(mesh_name, num_waves, latent):
+    """Shared experts on; gradients of every MoE parameter (router, experts, latent, shared) and of the input."""
+    mesh = mesh_lib.make_mesh(MESHES[mesh_name])
+    cfg = _ep_cfg(latent, num_waves)
+    params, x, bias, cot = _moe_inputs(latent)
+    params = jax.device_put(params, mesh_lib.state_shardings(params, mesh))
+    (_, (y, stats)), grads = _moe_grad(params, x, bias, cot, cfg, ep.make_dispatch(mesh, cfg.moe))
+    (_, (ref_y, ref_stats)), ref_grads = _reference(_moe_grad, _moe_inputs, latent)
+
+    assert float(stats["dropped"]) == 0.0 and float(stats["kept"]) == B * S * K
+    np.testing.assert_array_equal(stats["load"], ref_stats["load"])
+    assert _relative_error(y, ref_y) < 1e-5
+    assert grads[0]["w_gate"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("expert")), 3)
+    _assert_close(grads, ref_grads, "d out / ")
+
+
+def _model_objective(params, tokens, bias, cotangent, cfg, ep_dispatch):
+    logits, aux = transformer.apply(params, tokens, cfg, bias, ep_dispatch=ep_dispatch)
+    # A random projection of the logits: its gradient reaches every parameter through every logit.
+    return jnp.sum(logits * cotangent), (logits, aux)
+
+
+_model_grad = jax.jit(jax.value_and_grad(_model_objective, has_aux=True), static_argnums=(4, 5))
+
+
+def _model_inputs(latent: bool):
+    cfg = _cfg("dense", latent)
+    k_params, k_tokens, k_bias, k_cot = jax.random.split(jax.random.key(7 + latent), 4)
+    params = transformer.init(cfg, k_params)
+    # At init the MoE output is ~1% of the residual stream; scaled up, a wrong row, weight or expert
+    # moves the logits and every gradient at order 1 instead of 1e-3. Only the MoE block is scaled:
+    # scaled attention weights sharpen the softmax, and then merely splitting the batch over devices
+    # (data parallel, no ep at all) moves the w_k / w_q gradients by up to ~5e-6 of their largest entry.
+    moe_names = set(moe.init(cfg, k_params))
+    params["layers"] = {name: 4.0 * p if name in moe_names else p for name, p in params["layers"].items()}
+    tokens = jax.random.randint(k_tokens, (B, S), 0, cfg.vocab_size)
+    bias = 0.05 * jax.random.normal(k_bias, (cfg.num_layers, E))
+    return params, tokens, bias, jax.random.normal(k_cot, (B, S, cfg.vocab_size))
+
+
+@pytest.mark.parametrize("mesh_name, num_waves, latent", [("2x4", 3, True), ("1x8", 1, False)])
+def test_ep_model_matches_dense_in_logits_and_every_parameter_gradient(mesh_name, num_waves, latent):
+    mesh = mesh_lib.make_mesh(MESHES[mesh_name])
+    cfg = _ep_cfg(latent, num_waves)
+    params, tokens, bias, cot = _model_inputs(latent)
+    params = jax.device_put(params, mesh_lib.state_shardings(params, mesh))
+    tokens = jax.device_put(tokens, mesh_lib.batch_sharding(mesh))
+    (_, (logits, aux)), grads = _model_grad(params, tokens, bias, cot, cfg, ep.make_dispatch(mesh, cfg.moe))
+    (_, (ref_logits, ref_aux)), ref_grads = _reference(_model_grad, _model_inputs, latent)
+
+    assert float(aux["drop_fraction"]) == 0.0
+    np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+    assert _relative_error(logits, ref_logits) < 1e-5
+    assert grads["layers"]["w_gate"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "expert")), 4)
+    _assert_close(grads, ref_grads, "d out / ")
+
+
+# ----------------------------------------------------------------------------------------------
+# drops: the pool and receiver rules, checked against a plain-Python simulation
+
+
+def _simulate_drops(expert_idx: np.ndarray, replicas: int, shards: int, waves: int, pool: int, capacity: int):
+    """Which assignments the documented rules drop, one device and one row at a time.
+
+    Returns:
+        dropped [T, k] bool, and the counts dropped at the sender and at the receiver.
+    """
+    T, k = expert_idx.shape
+    per_device, experts_per_shard = T // (replicas * shards), E // shards
+    dropped = np.zeros((T, k), bool)
+    at_sender = at_receiver = 0
+    for r in range(replicas):
+        # pools[sender][wave][dest]: (token, slot in top-k, local expert) in pool row order
+        pools = [[[[] for _ in range(shards)] for _ in range(waves)] for _ in range(shards)]
+        for s in range(shards):
+            first = (r * shards + s) * per_device  # the batch is split replica-major over the mesh
+            sent = np.zeros(shards, int)
+            for t in range(first, first + per_device):
+                for j in range(k):
+                    e = expert_idx[t, j]
+                    dest, rank = e // experts_per_shard, sent[e // experts_per_shard]
+                    sent[dest] += 1
+                    if rank // waves >= pool:
+                        dropped[t, j], at_sender = True, at_sender + 1
+                    else:
+                        pools[s][rank % waves][dest].append((t, j, e % experts_per_shard))
+        for w in range(waves):
+            for dest in range(shards):
+                for e in range(experts_per_shard):
+                    queues = [[(t, j) for t, j, le in pools[s][w][dest] if le == e] for s in range(shards)]
+                    taken = 0
+                    for round_ in range(max(map(len, queues))):  # round robin over the senders
+                        for queue in queues:
+                            if round_ < len(queue):
+                                if taken >= capacity:
+                                    dropped[queue[round_]], at_receiver = True, at_receiver + 1
+                                taken += 1
+    return dropped, at_sender, at_receiver
+
+
+def _skewed_layer():
+    """A MoE layer where expert 0 outscores the rest for nearly every token (as in test_dispatch.py)."""
+    cfg = _cfg("ep", latent=False)
+    k_params, k_x = jax.random.split(jax.random.key(11))
+    params = moe.init(cfg, k_params)
+    x = jax.random.normal(k_x, (4 * B * S, cfg.d_model)) + 1.0  # positive mean: expert 0's logit ~ +D
+    params["w_router"] = params["w_router"].at[:, 0].add(1.0)
+    routing = route(x, params["w_router"], jnp.zeros((E,)), cfg.moe)
+    return x, routing, {name: params[name] for name in ("w_gate", "w_up", "w_down")}
+
+
+@pytest.mark.parametrize("num_waves", [1, 3])
+def test_capacity_factor_one_with_a_skewed_router_drops_at_both_stages_exactly_as_the_rules_say(num_waves):
+    mesh_cfg = MESHES["2x4"]
+    mesh = mesh_lib.make_mesh(mesh_cfg)
+    x, routing, experts = _skewed_layer()
+    T = x.shape[0]
+    out, stats = jax.jit(lambda x, routing, experts: ep.dispatch(
+        x, routing, experts, 1.0, mesh=mesh, transport_capacity_factor=1.0, num_waves=num_waves))(x, routing, experts)
+
+    per_device, shards = T // mesh_cfg.num_devices, mesh_cfg.expert
+    pool = ep.pool_size(per_device, K, shards, E // shards, num_waves, 1.0)
+    capacity = ep.receiver_capacity(per_device, K, E, shards, num_waves, pool, 1.0)
+    dropped, at_sender, at_receiver = _simulate_drops(
+        np.asarray(routing.expert_idx), mesh_cfg.replica, shards, num_waves, pool, capacity)
+    assert at_sender > 0 and at_receiver > 0, "the skew should overfill both the pools and the buffers"
+    assert float(stats["dropped_at_sender"]) == at_sender
+    assert float(stats["dropped_at_receiver"]) == at_receiver
+    assert float(stats["dropped"]) == at_sender + at_receiver
+    # kept is counted where rows enter the experts' buffers, independently of the two drop counters.
+    assert float(stats["kept"]) + float(stats["dropped"]) == float(stats["assignments"]) == T * K
+
+    # The output is the dense reference with exactly those assignments' weights zeroed.
+    zeroed = routing._replace(weights=jnp.where(dropped, 0.0, routing.weights))
+    ref, _ = dispatch_lib.dense(x, zeroed, experts)
+    assert _relative_error(out, ref) < 1e-5
+
+
+def _round_robin_reference(ids: np.ndarray, experts_per_shard: int, capacity: int) -> np.ndarray:
+    slots = np.full(ids.shape, experts_per_shard * capacity)
+    for e in range(experts_per_shard):
+        queues = [[p for p in range(ids.shape[1]) if ids[s, p] == e] for s in range(ids.shape[0])]
+        rank = 0
+        for round_ in range(max(map(len, queues))):
+            for s, queue in enumerate(queues):
+                if round_ < len(queue):
+                    if rank < capacity:
+                        slots[s, queue[round_]] = e * capacity + rank
+                    rank += 1
+    return slots
+
+
+def test_receiver_capacity_is_shared_round_robin_across_senders():
+    """Every sender overfills expert 0: each keeps the same number of rows (to within one), instead
+    of the first senders filling the buffer and the last ones losing everything."""
+    ids = np.zeros((4, 5), np.int32)  # 4 senders x 5 rows, all for local expert 0; capacity 10
+    slots = np.asarray(ep.receiver_slots(jnp.asarray(ids), 2, 10))
+    kept_per_sender = np.sum(slots < 2 * 10, axis=1)
+    np.testing.assert_array_equal(kept_per_sender, [3, 3, 2, 2])
+
+    # Mixed experts and empty rows (id 3 = E_l): the same slots as a plain round-robin loop.
+    mixed = np.random.default_rng(0).integers(0, 4, size=(4, 9)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(ep.receiver_slots(jnp.asarray(mixed), 3, 4)),
+                                  _round_robin_reference(mixed, 3, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# training on the mesh, from the command line
+
+
+def _loss_curve(cfg, corpus) -> np.ndarray:
+    """Losses of `cfg.train.steps` steps of the real train step on `cfg.mesh`, batches as `train` draws them."""
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    state, step = init_sharded_state(cfg, mesh), make_train_step(cfg, mesh)
+    losses = []
+    for i in range(cfg.train.steps):
+        _, phase = phase_at(cfg.data, i, cfg.train.steps)
+        batch = sample_batch(corpus, phase.weights, cfg.train.seed, i, cfg.train.batch_size, cfg.model.seq_len)
+        state, metrics = step(state, mesh_lib.place_batch(batch.tokens, mesh))
+        losses.append(metrics["loss"])
+    return np.array(jax.device_get(losses))
+
+
+def _run_cli(args, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["moelab", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_train_command_on_the_2x4_mesh_follows_the_single_device_loss_curve(monkeypatch, capsys, tmp_path):
+    """50 steps of `moelab train --mesh replica=2,expert=4` against the same run on one device with
+    the dense reference backend: same data, same init, nothing dropped, so only float32 summation
+    order differs (per-device partial sums of the gradients, buffers instead of masked dense sums).
+    Measured: at most 1.2e-6 nats over the 50 steps, a few float32 ulps of a loss of 3-5. The bound,
+    1e-4, leaves room for Adam (it divides by sqrt(v)) to amplify reordering differently on other
+    CPUs or thread counts, while a wrong gradient, a lost replica's batch or a dropped expert moves
+    the curve by 1e-2 or more (capacity factor 1.15, which drops a few percent of assignments,
+    deviates by up to 0.09)."""
+    sets = {"model.seq_len": 32, "train.warmup_steps": 10, "train.log_every": 1, "train.eval_every": 50,
+            "train.eval_batches": 1, "data.max_bytes_per_domain": 200_000, "model.moe.num_waves": 3,
+            "model.moe.capacity_factor": NO_DROPS, "model.moe.transport_capacity_factor": NO_DROPS}
+    args = ["train", "--preset", "tiny", "--mesh", "replica=2,expert=4", "--steps", "50", "--out", str(tmp_path),
+            *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
+    code, out, err = _run_cli(args, monkeypatch, capsys)
+    assert code == 0, err
+    assert json.loads(out)["step"] == 50
+    cfg = load_yaml(tmp_path / "config.yaml")
+    assert cfg.model.moe.dispatch == "ep" and (cfg.mesh.replica, cfg.mesh.expert) == (2, 4)
+    losses = np.array([json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()])
+
+    one_device = dataclasses.replace(override(cfg, {"model.moe.dispatch": "dense"}), mesh=MeshConfig())
+    ref = _loss_curve(one_device, prepare_corpus(one_device))
+    assert len(losses) == len(ref) == 50
+    assert ref[-1] < ref[0] - 1.0, "the reference should learn"
+    assert np.max(np.abs(losses - ref)) < 1e-4, np.max(np.abs(losses - ref))
+
+
+def test_sharding_rule_splits_routed_experts_and_their_adam_moments_over_expert_only():
+    shardings = state_shardings(presets.get("tiny"), mesh_lib.make_mesh(MESHES["2x4"]))
+    specs = {jax.tree_util.keystr(path): s.spec for path, s in jax.tree_util.tree_leaves_with_path(shardings)}
+    experts = {k: v for k, v in specs.items() if k.endswith(("['w_gate']", "['w_up']", "['w_down']"))}
+    assert len(experts) == 9  # params, Adam's mu and nu
+    assert set(experts.values()) == {PartitionSpec(None, "expert", None, None)}
+    assert all(v == PartitionSpec() for k, v in specs.items() if k not in experts)
+
+
+def test_multi_host_start_needs_all_three_variables_and_is_a_no_op_without_them():
+    assert mesh_lib.initialize_distributed({}) is False
+    with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES and JAX_PROCESS_ID are not set"):
+        mesh_lib.initialize_distributed({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
+
+
+@pytest.mark.parametrize(
+    "mesh, sets, message",
+    [
+        ("replica=4,expert=4", [], "mesh replica=4 x expert=4 needs 16 devices, but only 8"),
+        ("replica=1,expert=3", [], "model.moe.num_experts=8 is invalid: must be divisible by mesh.expert=3"),
+        ("replica=2,expert=4", ["--set", "train.batch_size=12"],
+         "train.batch_size=12 is invalid: must be divisible by the 8 devices"),
+        ("replica=2,gpu=4", [], "--mesh 'replica=2,gpu=4' must name replica and/or expert"),
+        ("replica=two", [], "--mesh replica='two' is invalid"),
+    ],
+)
+def test_bad_mesh_exits_2_naming_the_numbers_and_writes_nothing(mesh, sets, message, monkeypatch, capsys, tmp_path):
+    out_dir = tmp_path / "out"
+    code, _, err = _run_cli(["train", "--preset", "tiny", "--mesh", mesh, *sets, "--out", str(out_dir)],
+                            monkeypatch, capsys)
+    assert code == 2
+    assert message in " ".join(err.split()), err
+    assert "Traceback" not in err and not out_dir.exists()
+
+
+def test_expert_sharded_mesh_without_the_ep_backend_is_rejected_by_name(tmp_path):
+    cfg = dataclasses.replace(presets.get("tiny"), mesh=MESHES["2x4"])  # tiny uses dispatch "capacity"
+    with pytest.raises(ConfigError, match="dispatch='capacity' cannot run with mesh.expert=4"):
+        train(cfg, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# all-to-all bytes from the compiled step
+
+
+def _comm_bytes_module():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "comm_bytes.py"
+    spec = importlib.util.spec_from_file_location("comm_bytes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_latent_moe_halves_all_to_all_bytes_and_waves_keep_the_total():
+    """Counted in the compiled train step's HLO. Exactly the analytic count; the int32 expert ids add
+    1 / (4 Din) to the row bytes, so latent / full width is 0.502 here, within 2% of 0.5."""
+    comm = _comm_bytes_module()
+    cfg, mesh = comm.small_config(), MESHES["2x4"]
+    variants = {(latent, w): comm._variant(cfg, mesh, latent, w) for latent, w in [(True, 1), (False, 1), (True, 3)]}
+    counted = {key: comm.compiled_all_to_all_bytes(v) for key, v in variants.items()}
+    for key, variant in variants.items():
+        assert counted[key] == comm.expected_bytes(variant), key
+    assert counted[True, 1] / counted[False, 1] == pytest.approx(0.5, rel=0.02)
+    assert counted[True, 3] == counted[True, 1]  # this config's pools divide evenly into 3 waves
