@@ -3,6 +3,7 @@ turning `CONFIG.yaml | --preset NAME` plus `--set` overrides into one RunConfig.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,7 +15,8 @@ from moelab.config import ConfigError, RunConfig, load_yaml, override, parse_ove
 
 __all__ = ["out_console", "err_console", "PresetOpt", "ConfigArg", "SetOpt", "JsonOpt", "resolve_config"]
 
-out_console = Console()  # results
+# Tables keep their columns when piped to a file or another program (Rich would fold them to 80).
+out_console = Console(width=None if sys.stdout.isatty() else 160)  # results
 err_console = Console(stderr=True)  # progress, warnings, errors
 
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="A named config, e.g. tiny (see `moelab presets`).")]
