@@ -78,6 +78,7 @@ DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "ep")
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCERS = ("none", "exact", "hist", "sign", "aux")
 DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "dots", "full")  # what a block saves for the backward pass (`transformer._remat_policy`)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     z_loss_weight: float = 0.0  # weight of the squared log-partition term; 0 disables it
+    remat: str = "none"  # none: save everything; dots: save matmul outputs, recompute the rest; full: save inputs
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -199,6 +201,7 @@ class ModelConfig:
         )
         _check(self.rope_theta > 0, p + "rope_theta", self.rope_theta, "must be > 0")
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
+        _one_of(p + "remat", self.remat, REMAT)
         _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
 
     @property
@@ -311,10 +314,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     eval_batches: int = 4  # per domain
+    mixture_snapshot_every: int = 100  # steps between realized-token snapshots in OUT/mixture_log.jsonl
 
     def __post_init__(self) -> None:
         p = "train."
-        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches"):
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "mixture_snapshot_every"):
             _positive_int(p + name, getattr(self, name))
         _non_negative_int(p + "warmup_steps", self.warmup_steps)
         _non_negative_int(p + "seed", self.seed)

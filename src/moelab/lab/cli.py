@@ -6,6 +6,7 @@
     moelab lab run demo-tiny --dry-run                            # what would run, wait or skip
     moelab lab run demo-tiny --backend ray                        # RAY_ADDRESS joins a cluster
     moelab lab verify                                             # recompute the hash chain
+    moelab lab report demo-tiny                                   # HTML + Markdown report of the run
 
 Every command takes --ledger PATH (default: $MOELAB_LEDGER, else lab/ledger.sqlite). Exit codes:
 0 success; 1 a step failed or the chain is broken; 2 bad input (an invalid or edited spec, an unknown
@@ -28,6 +29,7 @@ from moelab.config import ConfigError
 from moelab.lab import registry
 from moelab.lab.executor import BACKENDS, FAILED, SUCCESS, plan_experiment, run_experiment
 from moelab.lab.ledger import Record, open_ledger, verify as verify_chain
+from moelab.lab.report import write_report
 
 lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
                       help="Pre-register, run and audit experiments: the open lab's record.")
@@ -178,3 +180,14 @@ def run(
         err_console.print(f"[bold red]Failed:[/] {', '.join(failed) or 'blocked steps'}; see step.json in its "
                           f"directory and `moelab lab show {exp_id}`.", highlight=False)
         raise typer.Exit(1)
+
+
+@lab_app.command()
+def report(
+    exp_id: IdArg,
+    ledger: LedgerOpt = DEFAULT_LEDGER,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Directory for report.html and report.md "
+                                                             "(default: the run's directory / report).")] = None,
+) -> None:
+    """Write an experiment's report (self-contained HTML and Markdown) and print the HTML path."""
+    print(write_report(open_ledger(ledger), exp_id, out))

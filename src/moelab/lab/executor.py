@@ -33,6 +33,7 @@ runs it with every step's start, end or failure on the ledger (`run_experiment`)
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fcntl
 import functools
@@ -436,10 +437,16 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
 
 def run_training(ctx: StepContext) -> dict:
     """Step function: train the RunConfig in `ctx.config` into the step's directory; returns the summary."""
-    from moelab.train.loop import train  # JAX loads only when a training step runs
+    from moelab.lab import tracking  # JAX loads only when a training step runs
+    from moelab.train.loop import train
 
     cfg = from_dict({**ctx.config["run"], "name": ctx.config["name"]})
-    return train(cfg, ctx.output_dir)
+    sinks: list[tracking.Sink] = []
+    if ctx.config.get("ledger"):  # a registered experiment's run: metrics, mixture, samples on its ledger
+        sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
+        if tracking.wandb_available():
+            sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
+    return train(cfg, ctx.output_dir, sinks=sinks)
 
 
 def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
@@ -486,6 +493,9 @@ def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str
     last amended from) differs from the version in force: amend it first.
     """
     experiment, steps = _experiment_dag(ledger, exp_id, spec_path)
+    # Unversioned: where a training step publishes its metrics changes no output directory.
+    tracked = {"ledger": str(Path(ledger.path).absolute()), "experiment": exp_id}
+    steps = [dataclasses.replace(s, config={**s.config, **tracked}) if s.fn is run_training else s for s in steps]
     commit, dirty = git_state(Path.cwd())
     provenance = {"spec_hash": experiment.spec_hash, "git_commit": commit, "git_dirty": dirty, "backend": backend}
     on_event = functools.partial(_record_run_event, ledger, exp_id, provenance)

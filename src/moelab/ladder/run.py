@@ -25,7 +25,7 @@ from moelab.accounting import count_params
 from moelab.config import RunConfig
 from moelab.ladder.rungs import EVALS_PER_RUN, LadderRecipe, check_monotone, rungs_of
 
-__all__ = ["curve_rows", "target_rows", "write_csv", "run_ladder", "target_config"]
+__all__ = ["curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder", "target_config"]
 
 CURVE_LOSS = "eval/mean"
 
@@ -69,23 +69,28 @@ def target_config(recipe: LadderRecipe) -> RunConfig:
     return replace(cfg, train=replace(cfg.train, eval_every=every, warmup_steps=every))
 
 
-def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],
-               num_bootstrap: int = 200) -> dict:
-    """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target."""
+def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out: Path,
+                    num_bootstrap: int = 200) -> dict:
+    """From finished rungs (config, run dir): write curves.csv, target.csv, prediction.csv and fit.json."""
     from moelab.ladder.predict import fit_curves
 
-    configs = rungs_of(recipe)
-    check_monotone(configs)
     out.mkdir(parents=True, exist_ok=True)
-    curves = []
-    for cfg in configs:
-        run_dir = out / "rungs" / cfg.name
-        if not (run_dir / "summary.json").is_file():
-            train_fn(cfg, run_dir)
-        curves += curve_rows(cfg, run_dir)
-    target = target_config(recipe)
-    write_csv(out / "curves.csv", curves)
+    write_csv(out / "curves.csv", [row for cfg, run_dir in rungs for row in curve_rows(cfg, run_dir)])
     write_csv(out / "target.csv", target_rows(target))
     summary = fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap)
     (out / "fit.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],
+               num_bootstrap: int = 200) -> dict:
+    """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target."""
+    configs = rungs_of(recipe)
+    check_monotone(configs)
+    rungs = []
+    for cfg in configs:
+        run_dir = out / "rungs" / cfg.name
+        if not (run_dir / "summary.json").is_file():
+            train_fn(cfg, run_dir)
+        rungs.append((cfg, run_dir))
+    return fit_and_predict(rungs, target_config(recipe), out, num_bootstrap)

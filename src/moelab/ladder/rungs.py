@@ -24,7 +24,8 @@ import yaml
 from moelab.accounting import count_params, flops_per_token, train_tokens
 from moelab.config import ConfigError, ModelConfig, RunConfig, from_dict, override
 
-__all__ = ["LadderRecipe", "scale_model", "make_rung", "rungs_of", "load_recipe", "plan_rows"]
+__all__ = ["LadderRecipe", "scale_model", "make_rung", "rungs_of", "load_recipe", "recipe_from_data", "plan_rows",
+           "check_monotone"]
 
 EVALS_PER_RUN = 20  # eval every 5% of each rung, so each run contributes a whole curve to the fit
 
@@ -101,8 +102,6 @@ def rungs_of(recipe: LadderRecipe) -> list[RunConfig]:
 
 def load_recipe(path: str | Path) -> LadderRecipe:
     """Read a recipe YAML (see the module docstring); errors name the field."""
-    from moelab import presets  # presets builds its ladder shapes with this module
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"recipe file {path} does not exist; pass a ladder recipe YAML or --preset NAME.")
@@ -110,9 +109,18 @@ def load_recipe(path: str | Path) -> LadderRecipe:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"recipe file {path} is not valid YAML: {e}") from None
+    return recipe_from_data(data, f"recipe {path}")
+
+
+def recipe_from_data(data: dict, where: str = "ladder recipe") -> LadderRecipe:
+    """A recipe from plain data (a recipe file's content, or an experiment spec's `ladder:`)."""
+    from moelab import presets  # presets builds its ladder shapes with this module
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping with the keys target and rungs; got {data!r}.")
     unknown = sorted(set(data) - {"target", "rungs", "rung_batch_size"})
     if unknown or "target" not in data or "rungs" not in data:
-        raise ConfigError(f"recipe {path} must have the keys target and rungs (and optionally rung_batch_size); "
+        raise ConfigError(f"{where} must have the keys target and rungs (and optionally rung_batch_size); "
                           f"got {sorted(data)}.")
     target = data["target"]
     if isinstance(target, dict) and "preset" in target:
@@ -123,7 +131,7 @@ def load_recipe(path: str | Path) -> LadderRecipe:
     try:
         shapes = tuple((int(d), int(layers)) for d, layers in data["rungs"])
     except (TypeError, ValueError):
-        raise ConfigError(f"recipe {path}: rungs={data['rungs']!r} must be a list of [d_model, num_layers] pairs.") from None
+        raise ConfigError(f"{where}: rungs={data['rungs']!r} must be a list of [d_model, num_layers] pairs.") from None
     return LadderRecipe(target, shapes, data.get("rung_batch_size"))
 
 

@@ -4,9 +4,10 @@
     from moelab.train.loop import train
     summary = train(presets.get("tiny"), "runs/tiny")
 
-`train` writes `OUT/config.yaml`, `OUT/metrics.jsonl` (one JSON object per logged step) and
-`OUT/summary.json`. Progress is reported through callbacks so the core imports no UI library; the
-CLI plugs in a Rich progress bar. Everything a user can get wrong (config, data files, vocabulary)
+`train` writes `OUT/config.yaml`, `OUT/metrics.jsonl` (one JSON object per logged step),
+`OUT/mixture_log.jsonl`, `OUT/samples.jsonl` and `OUT/summary.json`; sinks (`moelab.lab.tracking`)
+mirror them to the ledger or W&B. Progress is reported through callbacks so the core imports no UI
+library; the CLI plugs in a Rich progress bar. Everything a user can get wrong (config, data files, vocabulary)
 is checked before `OUT` is created, so bad input leaves nothing half-written.
 """
 
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moelab.config import ConfigError, Preempted, RunConfig, dump_yaml, load_yaml, to_dict
 from moelab.data.mixture import Corpus, build_corpus, eval_batches, phase_at, sample_batch
+from moelab.lab import tracking
 from moelab.model import router, transformer
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
@@ -159,6 +161,7 @@ def _jsonable(metrics: dict) -> dict:
 # `train.steps` moves the WSD decay and phase boundaries of the steps still to come (the contingency
 # planner relies on that); a new mesh re-shards the same arrays.
 RESUME_SAFE = ("name", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+               "train.mixture_snapshot_every",
                "checkpoint.", "monitor.", "plan.", "mesh.")
 
 
@@ -217,11 +220,14 @@ def _read_jsonl_until(path: Path, step: int) -> list[str]:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
-          predicted: str | Path | None = None) -> dict:
+          predicted: str | Path | None = None, sinks: Sequence[tracking.Sink] = ()) -> dict:
     """Train `cfg` into `out_dir`, resuming from its newest valid checkpoint if there is one.
 
     Writes `config.yaml`, `metrics.jsonl`, `incidents.jsonl`, `checkpoints/`, `summary.json` (and
-    `resumes.jsonl` on a resume). With `predicted` (a PRED.csv from `moelab ladder`), each eval's
+    `resumes.jsonl` on a resume), `mixture_log.jsonl` (phase changes and realized-token snapshots)
+    and `samples.jsonl` (greedy continuations of fixed prompts at each eval); see `moelab.lab.tracking`.
+    Every record, incident, mixture entry and sample also goes to each of `sinks`, which `train`
+    closes when it returns or raises. With `predicted` (a PRED.csv from `moelab ladder`), each eval's
     `eval/mean` is checked against the predicted 95% band; two misses in a row are an `off_track`
     incident. Returns the summary: final `step`, `loss`, `eval` and `eval_initial` per domain (with
     their `mean`), `eval_mean`, `tokens`, `tokens_per_s`, `incidents`. Raises Preempted on SIGTERM / SIGINT.
@@ -238,12 +244,27 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
     mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
     corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train(cfg, out, hooks, on_track, changes, mesh, corpus, sinks)
+    finally:
+        for sink in sinks:
+            sink.close()
+
+
+def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mesh: Mesh, corpus: Corpus,
+           sinks: Sequence[tracking.Sink]) -> dict:
+    """`train` once its inputs are checked and `out` exists."""
+    def publish(kind: str, *payload) -> None:
+        for sink in sinks:
+            getattr(sink, kind)(*payload)
 
     t, m = cfg.train, cfg.model
     eval_sets = {d: [mesh_lib.place_batch(b, mesh) for b in eval_batches(corpus, d, t.eval_batches, t.batch_size,
                                                                          m.seq_len)] for d in corpus.domains}
     state = init_sharded_state(cfg, mesh)
     train_step, eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
+    prompts = tracking.sample_prompts(corpus, m.seq_len)
+    decode, _ = tracking.make_greedy_decode(cfg, len(next(iter(prompts.values()))), corpus.tokenizer.vocab_size)
     tokens_per_step = t.batch_size * m.seq_len
     checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
     restored = checkpoints.restore_newest(like=state)
@@ -251,27 +272,53 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
     if restored is not None:
         state, start = restored.state, restored.step
         initial_eval = restored.meta["eval_initial"]
+        realized = restored.meta.get("realized_tokens")  # None in checkpoints older than the mixture log
         with open(out / "resumes.jsonl", "a") as f:
             f.write(json.dumps({"step": start, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
     else:
         initial_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
+        realized = None
     (out / "config.yaml").write_text(dump_yaml(cfg))
     if hooks.on_eval and start == 0:
         hooks.on_eval(0, initial_eval)
 
     def save(step: int) -> Path:
-        return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": initial_eval})
+        return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": initial_eval,
+                                              "realized_tokens": mixture.counts})
 
     last_eval, record, tokens_per_s = initial_eval, {}, 0.0
     monitor, incidents = Monitor(cfg.monitor), []
     kept_metrics = _read_jsonl_until(out / "metrics.jsonl", start)  # a resume redoes the steps after `start`
     kept_incidents = _read_jsonl_until(out / "incidents.jsonl", start)
+    kept_mixture = _read_jsonl_until(out / "mixture_log.jsonl", start)
+    kept_samples = _read_jsonl_until(out / "samples.jsonl", start)
+    mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized, [json.loads(x) for x in kept_mixture])
     window_start, window_steps = time.perf_counter(), 0
     with open(out / "metrics.jsonl", "w") as log, open(out / "incidents.jsonl", "w") as incident_log, \
+            open(out / "mixture_log.jsonl", "w") as mixture_log, open(out / "samples.jsonl", "w") as sample_log, \
             _stop_requests() as stop:
         log.writelines(line + "\n" for line in kept_metrics)
         incident_log.writelines(line + "\n" for line in kept_incidents)
+        mixture_log.writelines(line + "\n" for line in kept_mixture)
+        sample_log.writelines(line + "\n" for line in kept_samples)
+
+        def log_mixture(entry: dict | None) -> None:
+            if entry is not None:
+                mixture_log.write(json.dumps(entry) + "\n")
+                mixture_log.flush()
+                publish("mixture", entry)
+
+        def log_samples(step: int) -> None:
+            rows = tracking.generate_samples(decode, state.params, state.router_bias, prompts, corpus.tokenizer, step)
+            sample_log.writelines(json.dumps(row) + "\n" for row in rows)
+            sample_log.flush()
+            publish("samples", step, rows)
+
+        if start == 0:
+            log_samples(0)
+            window_start = time.perf_counter()  # the decode's compile is not training time
         for step in range(start, t.steps):
+            log_mixture(mixture.before_step(step))
             _, phase = phase_at(cfg.data, step, t.steps)
             batch = sample_batch(corpus, phase.weights, t.seed, step, t.batch_size, m.seq_len)
             ceiling = jnp.float32(monitor.loss_ceiling())
@@ -279,9 +326,14 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
             scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
             window_steps += 1
             done = step + 1
+            snapshot = mixture.after_step(done, batch)
+            if snapshot is None and done == t.steps:
+                snapshot = mixture.snapshot(done)  # the end always gets one
+            log_mixture(snapshot)
             new_incidents = [i.to_json() for i in monitor.observe(done, scalars)]
             for incident in new_incidents:
                 incident_log.write(json.dumps(incident) + "\n")
+                publish("incident", incident)
             incidents += new_incidents
             is_eval = done % t.eval_every == 0 or done == t.steps
             if done % t.log_every == 0 or is_eval or new_incidents:
@@ -297,8 +349,10 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
                         if check.opens_incident:
                             incident = Incident(done, check.rule, "loss", check.values).to_json()
                             incident_log.write(json.dumps(incident) + "\n")
+                            publish("incident", incident)
                             incidents.append(incident)
                             new_incidents.append(incident)
+                    log_samples(done)
                     if hooks.on_eval:
                         hooks.on_eval(done, last_eval)
                 if new_incidents:
@@ -306,6 +360,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 incident_log.flush()
+                publish("log", record)
                 if hooks.on_log:
                     hooks.on_log(record)
                 window_start, window_steps = time.perf_counter(), 0
@@ -313,6 +368,8 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
             if stop["signal"] is not None or done == t.steps or (every and done % every == 0):
                 path = save(done)
                 if stop["signal"] is not None and done < t.steps:
+                    if snapshot is None:  # publish the realized mixture up to the stop
+                        log_mixture(mixture.snapshot(done))
                     log.flush()
                     checkpoints.close()
                     raise Preempted(done, path)

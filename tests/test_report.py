@@ -1,0 +1,233 @@
+"""`moelab lab report`: a real tiny run through the ledger, its report's sections, verdicts and HTML.
+
+One experiment trains once (module fixture); an amendment that changes only the band re-runs it as a
+skip (same step version), so the second report reads the same run with a refuting band.
+"""
+
+import contextlib
+import io
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+from helpers import run_cli
+
+from moelab.lab.registry import Prediction
+from moelab.lab.report import (
+    CONFIRMED,
+    INCONCLUSIVE,
+    REFUTED,
+    SECTION_IDS,
+    router_load_heatmap,
+    verdict,
+)
+
+SPEC = {
+    "id": "rep-tiny",
+    "title": "Report smoke test",
+    "question": "Does the report read a real run?",
+    "hypothesis": "The tiny preset's eval/mean after 10 steps is below 10 nats.",
+    "prediction": {"metric": "eval/mean", "expected": 4.0, "band": [None, 10.0],
+                   "decision_rule": "Confirmed if eval/mean at the last step is below 10."},
+    "owner": "tests",
+    "config": {"preset": "tiny", "overrides": {"train.steps": 10, "train.eval_every": 5, "train.log_every": 1,
+                                               "train.eval_batches": 1, "train.seed": 0}},
+}
+
+
+def section(html_text, sid):
+    match = re.search(rf'<section id="{sid}">(.*?)</section>', html_text, re.DOTALL)
+    assert match, f"section {sid} missing"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A ledger with rep-tiny registered and run once: (ledger, spec path, run root, monkeypatch-free runner)."""
+    tmp = tmp_path_factory.mktemp("lab")
+    spec_path = tmp / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(SPEC))
+    ledger, root = tmp / "ledger.sqlite", tmp / "runs"
+    mp = pytest.MonkeyPatch()
+    try:
+        code, _, err = _cli(mp, ["lab", "register", str(spec_path), "--ledger", str(ledger)])
+        assert code == 0, err
+        code, _, err = _cli(mp, ["lab", "run", "rep-tiny", "--ledger", str(ledger), "--root", str(root)])
+        assert code == 0, err
+    finally:
+        mp.undo()
+    return ledger, spec_path, root
+
+
+OPTIONAL_FILES = ("prediction.csv", "mixture_log.jsonl", "router_load.jsonl", "samples.jsonl")
+
+
+@contextlib.contextmanager
+def run_files(run_dir, files, aside):
+    """Put `files` ({name: text}) in the run directory and move every other optional file aside, then restore."""
+    aside.mkdir()
+    moved = [n for n in OPTIONAL_FILES if (run_dir / n).exists()]
+    for name in moved:
+        (run_dir / name).rename(aside / name)
+    try:
+        for name, text in files.items():
+            (run_dir / name).write_text(text)
+        yield
+    finally:
+        for name in files:
+            (run_dir / name).unlink()
+        for name in moved:
+            (aside / name).rename(run_dir / name)
+
+
+def _cli(mp, args):
+    """run_cli without capsys (module fixture): the report command prints only the path on stdout."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        from moelab import cli
+
+        mp.setattr("sys.argv", ["moelab", *args])
+        code = 0
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------
+# verdict on synthetic values
+
+
+@pytest.mark.parametrize("band,value,expected", [
+    ((None, 2.5), 2.4, CONFIRMED), ((None, 2.5), 2.6, REFUTED), ((None, 2.5), 2.5, CONFIRMED),
+    ((1.0, None), 0.9, REFUTED), ((1.0, None), 1.1, CONFIRMED),
+    ((1.0, 2.0), 1.5, CONFIRMED), ((1.0, 2.0), 0.5, REFUTED), ((1.0, 2.0), 2.5, REFUTED),
+    ((1.0, 2.0), None, INCONCLUSIVE), ((1.0, 2.0), float("nan"), INCONCLUSIVE),
+    (None, 2.0, INCONCLUSIVE),  # a point prediction alone has no tolerance
+])
+def test_verdict(band, value, expected):
+    p = Prediction("eval/mean", "rule", expected=2.0, band=band)
+    assert verdict(p, value) == expected
+
+
+def test_router_load_heatmap_is_png_and_checks_shape():
+    assert router_load_heatmap(np.full((2, 8), 1 / 8), step=5)[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="layers, experts"):
+        router_load_heatmap(np.ones(8))
+
+
+# ----------------------------------------------------------------------------------------------
+# the real run
+
+
+def test_report_sections_and_confirmed_verdict(lab, tmp_path, monkeypatch, capsys):
+    ledger, _, root = lab
+    out = tmp_path / "rep"
+    with run_files(next((root / "rep-tiny").glob("train-*")), {}, tmp_path / "aside"):  # the notes for absent files
+        code, stdout, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(out)],
+                                    monkeypatch, capsys)
+    assert code == 0, err
+    assert stdout.strip() == str(out / "report.html")
+    page, md = (out / "report.html").read_text(), (out / "report.md").read_text()
+    for sid in SECTION_IDS:
+        assert len(re.sub(r"<[^>]+>", "", section(page, sid)).strip()) > 20, sid
+        assert f'<a id="{sid}"></a>' in md
+    assert "CONFIRMED" in section(page, "hypothesis")
+    assert section(page, "loss-curve").count("data:image/png;base64,") == 1
+    assert "No predicted band" in section(page, "loss-curve")
+    assert "eval/code" in section(page, "per-domain-eval") and "<img" in section(page, "per-domain-eval")
+    assert "No mixture log" in section(page, "mixture")
+    assert "No per-layer router load" in section(page, "router") and "<img" in section(page, "router")
+    assert "<img" in section(page, "norms-incidents")
+    assert "None: the spec ran as registered" in section(page, "amendments")
+    assert "No samples" in section(page, "samples")
+    repro = section(page, "reproducibility")
+    assert "moelab lab run rep-tiny" in repro and "config.yaml" in repro
+    assert (out / "loss_curve.png").is_file() and "![loss_curve](loss_curve.png)" in md
+
+    # the default directory: the run's own, with whatever the loop wrote (a mixture log, once it does)
+    code, stdout, _ = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger)], monkeypatch, capsys)
+    assert code == 0 and stdout.strip().startswith(str(root / "rep-tiny"))
+    assert stdout.strip().endswith("report/report.html")
+
+
+def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):
+    ledger, _, root = lab
+    run_dir = next((root / "rep-tiny").glob("train-*"))
+    extra = {
+        "prediction.csv": "step,loss_pred,lo80,hi80,lo95,hi95\n5,5.0,4.5,5.5,4.0,6.0\n10,4.0,3.5,4.5,3.0,5.0\n",
+        "mixture_log.jsonl": "\n".join(json.dumps(r) for r in [
+            {"step": 0, "kind": "change", "phase": "pretrain", "weights": {"code": 0.5, "prose": 0.5},
+             "message": "start pretrain"},
+            {"step": 5, "kind": "snapshot", "tokens": {"code": 100, "prose": 100}, "total": 200},
+            {"step": 5, "kind": "change", "phase": "midtrain", "weights": {"code": 0.2, "prose": 0.8},
+             "message": "switch to midtrain <b>"},
+            {"step": 10, "kind": "snapshot", "tokens": {"code": 120, "prose": 180}, "total": 300}]) + "\n",
+        "router_load.jsonl": json.dumps({"step": 10, "load": np.full((2, 8), 0.125).tolist()}) + "\n",
+        "samples.jsonl": "\n".join(json.dumps({"step": s, "domain": "code", "prompt": "def f(",
+                                                "continuation": f"x{s})"}) for s in (5, 10)) + "\n",
+    }
+    with run_files(run_dir, extra, tmp_path / "aside"):
+        code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path)],
+                                    monkeypatch, capsys)
+    assert code == 0, err
+    page = (tmp_path / "report.html").read_text()
+    assert "CONFIRMED" in section(page, "hypothesis")
+    assert "Predicted band from" in section(page, "loss-curve")
+    mixture = section(page, "mixture")
+    assert "switch to midtrain &lt;b&gt;" in mixture and "<img" in mixture  # messages are escaped
+    assert section(page, "router").count("<img") == 2
+    assert "x10)" in section(page, "samples") and "def f(" in section(page, "samples")
+
+
+def test_amended_band_refutes_and_lists_the_amendment(lab, tmp_path, monkeypatch, capsys):
+    ledger, _, root = lab
+    amended = {**SPEC, "prediction": {**SPEC["prediction"], "band": [None, 0.5]}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(amended))
+    ledger_copy = tmp_path / "ledger.sqlite"  # keep the module's ledger as registered for the other tests
+    shutil.copy(ledger, ledger_copy)
+    for args in (["lab", "amend", "rep-tiny", str(path), "--reason", "tighter band"],
+                 ["lab", "run", "rep-tiny", "--spec", str(path), "--root", str(root)],  # a skip: same config
+                 ["lab", "report", "rep-tiny", "--out", str(tmp_path / "rep")]):
+        code, _, err = run_cli([*args, "--ledger", str(ledger_copy)], monkeypatch, capsys)
+        assert code == 0, (args, err)
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert "REFUTED" in section(page, "hypothesis")
+    amendments = section(page, "amendments")
+    assert "tighter band" in amendments and "prediction.band" in amendments
+
+
+def test_bad_input_exits_2(lab, tmp_path, monkeypatch, capsys):
+    ledger, spec_path, _ = lab
+    code, _, err = run_cli(["lab", "report", "no-such", "--ledger", str(ledger)], monkeypatch, capsys)
+    assert code == 2 and "unknown experiment id 'no-such'" in err
+    fresh = tmp_path / "fresh.sqlite"
+    code, _, err = run_cli(["lab", "register", str(spec_path), "--ledger", str(fresh)], monkeypatch, capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(fresh)], monkeypatch, capsys)
+    assert code == 2 and "no finished run" in err and "moelab lab run rep-tiny" in err
+
+
+def test_html_loads_in_headless_chromium(lab, tmp_path, monkeypatch, capsys):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is not installed; .ci/run installs it (apt-get install -y chromium)"
+    ledger, _, _ = lab
+    code, stdout, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
+                                monkeypatch, capsys)
+    assert code == 0, err
+    done = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--enable-logging=stderr", "--v=0", "--dump-dom", f"file://{stdout.strip()}"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for sid in SECTION_IDS:
+        assert f'<section id="{sid}">' in done.stdout, sid
+    console = [line for line in done.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
