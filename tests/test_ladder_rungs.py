@@ -55,8 +55,8 @@ def test_target_rows_carry_the_planned_lr_at_each_eval():
 def test_ladder_plan_preset_prints_the_rungs_and_target_as_json(monkeypatch, capsys):
     code, out, _ = run_cli(["ladder", "plan", "--preset", "frontier-535b", "--json"], monkeypatch, capsys)
     rows = json.loads(out)
-    assert code == 0 and [r["name"] for r in rows] == ["ladder-d768", "ladder-d1024", "ladder-d1536", "ladder-d2048",
-                                                       "frontier-535b"]
+    assert code == 0 and [r["name"] for r in rows] == ["ladder-d768-l8", "ladder-d1024-l12", "ladder-d1536-l16",
+                                                       "ladder-d2048-l22", "frontier-535b"]
     assert rows[0]["steps"] == presets.get("ladder-d768").train.steps
 
 
@@ -103,12 +103,12 @@ def test_ladder_run_trains_rungs_fits_and_predicts_the_target(tmp_path, monkeypa
     code, stdout, err = run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)
     assert code == 0, err
     curves = list(csv.DictReader(open(out / "curves.csv")))
-    assert {r["run"] for r in curves} == {"ladder-d16", "ladder-d32"}
+    assert {r["run"] for r in curves} == {"ladder-d16-l1", "ladder-d32-l1"}
     pred = list(csv.DictReader(open(out / "prediction.csv")))
     assert len(pred) == 20 and all(float(r["lo95"]) <= float(r["loss_pred"]) <= float(r["hi95"]) for r in pred)
     assert json.loads(stdout)["law"]
     # A second run reuses the finished rungs.
-    mtime = (out / "rungs" / "ladder-d16" / "summary.json").stat().st_mtime
+    mtime = (out / "rungs" / "ladder-d16-l1" / "summary.json").stat().st_mtime
     run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)
-    assert (out / "rungs" / "ladder-d16" / "summary.json").stat().st_mtime == mtime
+    assert (out / "rungs" / "ladder-d16-l1" / "summary.json").stat().st_mtime == mtime
     assert len(rungs_of(LadderRecipe(presets.get("tiny"), ((16, 1), (32, 1)), 8))) == 2

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from moelab import accounting, presets
 from moelab._cli_utils import ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
-from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yaml, override
+from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yaml
 from moelab.lab.cli import lab_app
 from moelab.ladder.cli import ladder_app
 
@@ -204,19 +204,48 @@ def replan(
     out_console.print(f"New plan written to {target} (train it with `moelab train {target}`).")
 
 
+DEMO_SPEC = Path("experiments/demo.yaml")
+
+
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/demo"),
-    steps: Annotated[int, typer.Option(help="Training steps (a couple of minutes on 2 CPU cores).")] = 2500,
+    root: Annotated[Path, typer.Option(help="Where the demo's steps, ledger and report go.")] = Path("runs/demo"),
+    spec: Annotated[Path, typer.Option(help="The pre-registered experiment to run.")] = DEMO_SPEC,
 ) -> None:
-    """Train the tiny preset on the embedded corpus and show per-domain eval loss before and after."""
-    cfg = override(presets.get("tiny"), {"train.steps": steps, "train.warmup_steps": 100, "train.eval_every": 500})
-    summary = run_training(cfg, out)
-    table = Table("domain", "eval loss before", "eval loss after", title=f"tiny preset, {summary['tokens']:,} tokens")
-    for domain, after in summary["eval"].items():
-        table.add_row(domain, f"{summary['eval_initial'][domain]:.3f}", f"{after:.3f}")
+    """The whole open-lab loop on the embedded data: register, ladder rungs, fit, main run, report.
+
+    Re-running reuses every finished step (seconds); the report states the hypothesis verdict.
+    """
+    from moelab.lab.executor import FAILED, run_experiment
+    from moelab.lab.ledger import open_ledger
+    from moelab.lab.registry import load_experiment, read_spec_file, register
+    from moelab.lab.report import experiment_verdict, write_report
+
+    if not spec.is_file():
+        raise ConfigError(f"demo spec {spec} does not exist; run `make demo` from the repository root.")
+    os.environ.setdefault("WANDB_SILENT", "true")  # the offline W&B run is written, not narrated
+    ledger = open_ledger(root / "ledger.sqlite", create=True)
+    exp_id = read_spec_file(spec).get("id")
+    try:
+        load_experiment(ledger, exp_id)
+        err_console.print(f"[dim]{exp_id} is already registered in {ledger.path}; reusing it.[/]")
+    except ConfigError:
+        register(ledger, spec)
+        err_console.print(f"Registered {exp_id} in {ledger.path} before running anything.")
+    outcomes = run_experiment(ledger, exp_id, root, spec_path=spec)
+    table = Table("step", "action", "status", "output", title=f"experiment {exp_id}")
+    for o in outcomes:
+        table.add_row(o.name, o.action, str(o.status), str(o.output_dir))
     out_console.print(table)
-    out_console.print(f"Outputs in {out}/ (config.yaml, metrics.jsonl, summary.json)")
+    if any(o.status != "SUCCESS" for o in outcomes):
+        failed = [o.name for o in outcomes if o.status == FAILED]
+        err_console.print(f"[bold red]Failed steps:[/] {', '.join(failed) or 'blocked'}; see step.json in their directories.")
+        raise typer.Exit(1)
+    html = write_report(ledger, exp_id)
+    verdict, value = experiment_verdict(ledger, exp_id)
+    metric = load_experiment(ledger, exp_id).spec.prediction.metric
+    out_console.print(f"Hypothesis verdict: [bold]{verdict.upper()}[/] ({metric} = {value})")
+    out_console.print(f"Report: {html}")
 
 
 if __name__ == "__main__":

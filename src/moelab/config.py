@@ -78,7 +78,7 @@ DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "ep")
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCERS = ("none", "exact", "hist", "sign", "aux")
 DTYPES = ("float32", "bfloat16")
-REMAT = ("none", "dots", "full")  # what a block saves for the backward pass (`transformer._remat_policy`)
+REMAT = ("none", "dots", "full")  # what a block saves for the backward pass (`transformer._remat`)
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,14 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import socket
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from moelab.config import ConfigError, RunConfig, from_dict, to_dict
+from moelab.config import ConfigError, RunConfig, from_dict, load_yaml, to_dict
 from moelab.lab.ledger import Ledger, append, canonical_json
 from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
 
@@ -56,6 +57,7 @@ __all__ = ["RUNNING", "SUCCESS", "FAILED", "BACKENDS", "Versioned", "versioned",
 
 RUNNING, SUCCESS, FAILED = "RUNNING", "SUCCESS", "FAILED"
 BACKENDS = ("local", "ray")
+LADDER_BOOTSTRAP = 200  # bootstrap refits over whole rungs behind the predicted bands
 STATUS_FILE, INFO_FILE, RESULT_FILE = "STATUS", "step.json", "result.json"
 
 
@@ -446,25 +448,56 @@ def run_training(ctx: StepContext) -> dict:
         sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
         if tracking.wandb_available():
             sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
-    return train(cfg, ctx.output_dir, sinks=sinks)
+    predicted = None
+    if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
+        predicted = ctx.output_dir / "prediction.csv"
+        shutil.copyfile(ctx.deps[ctx.config["predicted_by"]] / "prediction.csv", predicted)
+    return train(cfg, ctx.output_dir, predicted=predicted, sinks=sinks)
 
 
 def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
-                  resources: Mapping[str, float] | None = None) -> Step:
-    """A step that trains `cfg`. Every field but the run's name is versioned: each one can change the outputs."""
+                  resources: Mapping[str, float] | None = None, predicted_by: str | None = None) -> Step:
+    """A step that trains `cfg`. Every field but the run's name is versioned: each one can change the outputs.
+
+    With `predicted_by` (the name of a `fit_ladder` step among `deps`), each eval is checked against
+    that step's predicted band.
+    """
     run = to_dict(cfg)
     run_name = run.pop("name")
-    return Step(name, run_training, {"run": versioned(run), "name": run_name}, deps, dict(resources or {}))
+    config = {"run": versioned(run), "name": run_name, "predicted_by": predicted_by}
+    return Step(name, run_training, config, deps, dict(resources or {}))
+
+
+def fit_ladder(ctx: StepContext) -> dict:
+    """Step function: fit the curve law on the rung steps' evals and predict the target (`ladder.run`)."""
+    from moelab.ladder.run import fit_and_predict
+
+    rungs = [(load_yaml(ctx.deps[name] / "config.yaml"), ctx.deps[name]) for name in ctx.config["rungs"]]
+    target = from_dict(ctx.config["target"])
+    return fit_and_predict(rungs, target, ctx.output_dir, num_bootstrap=ctx.config["bootstrap"])
+
+
+def ladder_steps(spec: Spec) -> list[Step]:
+    """rungs -> fit -> the main run ("train"), watched against the fit's predicted band."""
+    from moelab.ladder.rungs import check_monotone, recipe_from_data, rungs_of
+    from moelab.ladder.run import target_config
+
+    recipe = recipe_from_data(spec.ladder, f"experiment {spec.id}: ladder")
+    configs = rungs_of(recipe)
+    check_monotone(configs)
+    rungs = [training_step(f"rung-{cfg.name}", cfg, resources=spec.resources) for cfg in configs]
+    target = target_config(recipe)
+    names = tuple(step.name for step in rungs)
+    fit = Step("fit", fit_ladder, {"rungs": list(names), "target": versioned(to_dict(target)),
+                                   "bootstrap": versioned(LADDER_BOOTSTRAP)}, names)
+    main = training_step("train", target, ("fit",), spec.resources, predicted_by="fit")
+    return [*rungs, fit, main]
 
 
 def experiment_steps(spec: Spec) -> list[Step]:
     """The DAG of a registered spec: `config:` is one training step; `ladder:` is rungs -> fit -> main run."""
     if spec.ladder is not None:
-        # TODO(#8): build one `training_step` per rung from moelab.ladder (the rungs), a fit step that
-        # depends on every rung and reads their metrics, and the main run depending on the fit. The
-        # executor needs nothing new: the DAG is a list of Steps like the one below.
-        raise ConfigError(f"experiment {spec.id} is a ladder spec; running ladders (rungs -> fit -> main run) "
-                          "arrives with the ladder steps (issue 8). Use a `config:` spec for now.")
+        return ladder_steps(spec)
     return [training_step("train", resolve_run_config(spec), resources=spec.resources)]
 
 

@@ -35,7 +35,7 @@ from moelab.config import ConfigError
 from moelab.lab.ledger import Ledger
 from moelab.lab.registry import Experiment, Prediction, load_experiment
 
-__all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "find_run_dir", "router_load_heatmap",
+__all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "find_run_dir", "router_load_heatmap",
            "Section", "build_sections", "render_html", "render_markdown", "write_report"]
 
 CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
@@ -392,6 +392,15 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
             f"# the training step it runs, with the resolved config:\n"
             f"moelab train {out / 'config.yaml'} --out {out}")
     return sec
+
+
+def experiment_verdict(ledger: Ledger, exp_id: str) -> tuple[str, float | None]:
+    """(verdict, observed value) of a run experiment's prediction: what the report's first section states."""
+    experiment = load_experiment(ledger, exp_id)
+    out, _ = find_run_dir(experiment)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    value, _ = _final_value(_read_jsonl(out / "metrics.jsonl"), summary, experiment.spec.prediction.metric)
+    return verdict(experiment.spec.prediction, value), value
 
 
 def build_sections(ledger: Ledger, exp_id: str) -> tuple[Experiment, Path, list[Section]]:

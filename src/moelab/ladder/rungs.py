@@ -93,7 +93,7 @@ def make_rung(target: RunConfig, d_model: int, num_layers: int, batch_size: int 
     steps = max(EVALS_PER_RUN, round(tokens / (batch * model.seq_len)))
     fields = {"steps": steps, "batch_size": batch, "warmup_steps": max(1, steps // EVALS_PER_RUN),
               "eval_every": max(1, steps // EVALS_PER_RUN), **train_fields}
-    return replace(target, name=f"ladder-d{d_model}", model=model, train=replace(target.train, **fields))
+    return replace(target, name=f"ladder-d{d_model}-l{num_layers}", model=model, train=replace(target.train, **fields))
 
 
 def rungs_of(recipe: LadderRecipe) -> list[RunConfig]:
@@ -109,6 +109,8 @@ def load_recipe(path: str | Path) -> LadderRecipe:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"recipe file {path} is not valid YAML: {e}") from None
+    if isinstance(data, dict) and "ladder" in data:  # an experiment spec: its `ladder:` is the recipe
+        return recipe_from_data(data["ladder"], f"{path}: ladder")
     return recipe_from_data(data, f"recipe {path}")
 
 

@@ -94,6 +94,16 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def _attention_implementation(dtype: jnp.dtype) -> str | None:
+    """cuDNN's fused (flash) attention for 16-bit inputs on a GPU; JAX's default (XLA) everywhere else.
+
+    cuDNN only takes float16 / bfloat16, so float32 runs keep the XLA path even on a GPU.
+    """
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "cudnn"
+    return None
+
+
 def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
     """Causal grouped-query self-attention with RoPE.
 
@@ -116,7 +126,7 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
     # grouping itself, so K and V are never repeated in memory.
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, S, N, H]
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_implementation(q.dtype))
     return jnp.einsum("bsh,hd->bsd", o.reshape(B, S, N * H), w["w_o"]).astype(jnp.float32)
 
 
@@ -138,6 +148,18 @@ def _block(
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MoE sees a flat [T, D]
     y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, ep_dispatch)
     return x + y.reshape(B, S, D), stats
+
+
+def _remat(block, remat: str):
+    """The block under `jax.checkpoint` per `ModelConfig.remat`; the same function, other memory / time.
+
+    `dots` keeps every matmul output (`checkpoint_dots`) and recomputes the elementwise work (norms,
+    RoPE, SwiGLU's silu * up) in the backward pass; `full` keeps only the block's inputs.
+    """
+    if remat == "none":
+        return block
+    policy = jax.checkpoint_policies.checkpoint_dots if remat == "dots" else None
+    return jax.checkpoint(block, policy=policy, prevent_cse=False)  # prevent_cse is not needed under scan
 
 
 def apply(
@@ -165,7 +187,7 @@ def apply(
         `balance_loss` [] and, under quantile balancing, `bias_target` [L, E]; all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
-    block = functools.partial(_block, cfg, compute_dtype, ep_dispatch)
+    block = _remat(functools.partial(_block, cfg, compute_dtype, ep_dispatch), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = jnp.einsum(

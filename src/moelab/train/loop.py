@@ -292,15 +292,17 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
     kept_incidents = _read_jsonl_until(out / "incidents.jsonl", start)
     kept_mixture = _read_jsonl_until(out / "mixture_log.jsonl", start)
     kept_samples = _read_jsonl_until(out / "samples.jsonl", start)
+    kept_loads = _read_jsonl_until(out / "router_load.jsonl", start)
     mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized, [json.loads(x) for x in kept_mixture])
     window_start, window_steps = time.perf_counter(), 0
     with open(out / "metrics.jsonl", "w") as log, open(out / "incidents.jsonl", "w") as incident_log, \
             open(out / "mixture_log.jsonl", "w") as mixture_log, open(out / "samples.jsonl", "w") as sample_log, \
-            _stop_requests() as stop:
+            open(out / "router_load.jsonl", "w") as load_log, _stop_requests() as stop:
         log.writelines(line + "\n" for line in kept_metrics)
         incident_log.writelines(line + "\n" for line in kept_incidents)
         mixture_log.writelines(line + "\n" for line in kept_mixture)
         sample_log.writelines(line + "\n" for line in kept_samples)
+        load_log.writelines(line + "\n" for line in kept_loads)
 
         def log_mixture(entry: dict | None) -> None:
             if entry is not None:
@@ -353,6 +355,9 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
                             incidents.append(incident)
                             new_incidents.append(incident)
                     log_samples(done)
+                    # The router's running load per layer and expert (an EMA), for the report's heatmap.
+                    load_log.write(json.dumps({"step": done, "load": jax.device_get(state.router_load).tolist()}) + "\n")
+                    load_log.flush()
                     if hooks.on_eval:
                         hooks.on_eval(done, last_eval)
                 if new_incidents:

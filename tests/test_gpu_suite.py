@@ -1,0 +1,137 @@
+"""The GPU benchmark suite's logic on CPU: tiny shapes, every output file and key, and its arithmetic.
+
+The suite itself (`benchmarks/gpu_suite.sh`) runs in tiny mode into a temporary folder; compiled
+programs are cached across test runs in the system temp folder, so a warm run takes ~20 s and a
+cold one (8 train steps to compile) about a minute on two idle cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moelab import accounting, presets
+from moelab.model import transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mfu = _load("mfu")
+moe_layer = _load("moe_layer")
+suite_table = _load("suite_table")
+
+MFU_KEYS = {"preset", "backend", "status", "step_time_s", "tokens_per_s", "flops_per_token", "model_flops_per_step",
+            "mfu_datasheet", "mfu_measured_peak", "matmul_peak_flops", "peak_memory_bytes", "batch_size", "seq_len"}
+LAYER_KEYS = {"seconds", "useful_tflops_per_s", "drop_fraction", "peak_memory_bytes", "status"}
+
+
+def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
+    env = {**os.environ, "MOELAB_SUITE_TINY": "1", "MOELAB_PYTHON": sys.executable,
+           "MOELAB_JAX_CACHE": str(Path(tempfile.gettempdir()) / "moelab-jax-cache-tests")}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as on the GPU machine; not conftest's eight
+    proc = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), str(tmp_path)], env=env, capture_output=True, check=False,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in suite_table.EXPECTED_FILES:
+        result = json.loads((tmp_path / name).read_text())
+        assert result["status"] == "ok", (name, result.get("error"))
+    matmul = json.loads((tmp_path / "matmul.json").read_text())
+    assert matmul["matmul_peak_flops"] > 0 and {"matmul_n", "fraction_of_datasheet"} <= set(matmul)
+    layer = json.loads((tmp_path / "moe_layer.json").read_text())
+    assert set(layer["backends"]) == {"capacity", "dropless", "ep"}
+    for backend in layer["backends"].values():
+        assert LAYER_KEYS <= set(backend)
+    for preset, backend in suite_table.MFU_RUNS:
+        result = json.loads((tmp_path / f"mfu_{preset}_{backend}.json").read_text())
+        assert MFU_KEYS <= set(result), MFU_KEYS - set(result)
+        assert (result["preset"], result["backend"], result["tiny"]) == (preset, backend, True)
+        assert np.isfinite(result["final_loss"]) and result["tokens_per_s"] > 0
+    # The table comes last and shows every run.
+    table = proc.stdout[proc.stdout.index("Train step"):]
+    assert table.count("ok (tiny)") == len(suite_table.MFU_RUNS)
+
+
+def test_mfu_arithmetic_comes_from_accounting():
+    cfg = presets.get("gpu-small")
+    timing = {"step_time_s": 0.25}
+    result = mfu.report(cfg, timing, {"n": 8192, "flops_per_s": 700e12})
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    assert result["tokens_per_step"] == tokens
+    assert result["tokens_per_s"] == pytest.approx(tokens / 0.25)
+    assert result["model_flops_per_step"] == accounting.flops_per_token(cfg.model) * tokens
+    assert result["mfu_datasheet"] == pytest.approx(accounting.flops_per_token(cfg.model) * tokens / 0.25 / 989e12)
+    assert result["mfu_measured_peak"] == pytest.approx(result["mfu_datasheet"] * 989 / 700)
+
+
+@pytest.mark.parametrize("name", ["gpu-small", "gpu-medium"])
+def test_dense_counterparts_match_active_flops(name):
+    moe_cfg, dense_cfg = presets.get(name), presets.get(f"{name}-dense")
+    ratio = accounting.flops_per_token(dense_cfg.model) / accounting.flops_per_token(moe_cfg.model)
+    assert abs(ratio - 1) < 0.01
+    m = dense_cfg.model.moe
+    assert (m.num_experts, m.num_experts_per_token, m.dispatch, m.num_shared_experts, m.latent_dim) == (1, 1, "dense",
+                                                                                                       0, None)
+    same = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "seq_len", "vocab_size")
+    assert all(getattr(dense_cfg.model, f) == getattr(moe_cfg.model, f) for f in same)
+    assert dense_cfg.train == moe_cfg.train
+    # The tiny dense counterpart the suite runs on CPU matches its shrunk MoE too.
+    tiny_dense = mfu.resolve_config(f"{name}-dense", "dense", True, None)
+    tiny_moe = mfu.resolve_config(name, "capacity", True, None)
+    assert accounting.flops_per_token(tiny_dense.model) == pytest.approx(accounting.flops_per_token(tiny_moe.model),
+                                                                         rel=0.01)
+
+
+def test_gpu_presets_shapes():
+    small, medium = presets.get("gpu-small").model, presets.get("gpu-medium").model
+    for m, d, width, seq in ((small, 1024, 512, 2048), (medium, 2048, 1024, 4096)):
+        assert (m.d_model, m.dim_per_head, m.num_heads // m.num_kv_heads, m.seq_len) == (d, 128, 4, seq)
+        assert (m.moe.num_experts, m.moe.num_experts_per_token, m.moe.expert_dim, m.moe.latent_dim) == (64, 8, width,
+                                                                                                        width)
+        assert (m.moe.num_shared_experts, m.moe.shared_dim, m.moe.dispatch, m.moe.balancing) == (2, width, "capacity",
+                                                                                                 "hist")
+    assert presets.get("gpu-small").train.compute_dtype == "bfloat16"
+
+
+def test_layer_useful_flops():
+    assert moe_layer.useful_flops(16384, 8, 2048, 1024) == 6 * 16384 * 8 * 3 * 2048 * 1024
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+def test_remat_keeps_the_function(remat):
+    cfg = mfu.resolve_config("gpu-small", "capacity", True, None).model
+    params = transformer.init(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.vocab_size)
+    bias = transformer.init_router_bias(cfg)
+
+    def loss_and_grads(model_cfg):
+        fn = lambda p: transformer.loss(p, tokens, model_cfg, bias, jnp.float32)[0]
+        return jax.jit(jax.value_and_grad(fn))(params)
+
+    (ref, ref_grads), (got, got_grads) = loss_and_grads(cfg), loss_and_grads(replace(cfg, remat=remat))
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_attention_uses_the_default_off_gpu():
+    assert transformer._attention_implementation(jnp.bfloat16) is None  # this CPU session
+    assert transformer._attention_implementation(jnp.float32) is None
