@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One-GPU benchmark suite (issue 9): bf16 matmul peak, the MoE layer alone, then the train step of
+# gpu-small and gpu-medium under capacity / ep / dropless and their equal-FLOP dense counterparts.
+#
+#   benchmarks/gpu_suite.sh OUTDIR                      # on an H200: ~5-7 minutes, capped at 7.5
+#   MOELAB_SUITE_TINY=1 benchmarks/gpu_suite.sh OUTDIR  # CPU-sized shapes, same logic (also the default without a GPU)
+#
+# Writes OUTDIR/matmul.json, OUTDIR/moe_layer.json and OUTDIR/mfu_PRESET_BACKEND.json (one per run; a run
+# that times out or crashes still gets a file, with "status" saying so), then prints the table
+# (benchmarks/suite_table.py OUTDIR). Python: $MOELAB_PYTHON, else python3, with src/ on PYTHONPATH.
+# Compiled programs are cached in $MOELAB_JAX_CACHE (default /tmp/moelab_jax_cache), so a rerun compiles less.
+set -u
+OUT=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(dirname "$HERE")
+PY=${MOELAB_PYTHON:-python3}
+BUDGET_S=${MOELAB_SUITE_BUDGET_S:-450}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_COMPILATION_CACHE_DIR=${MOELAB_JAX_CACHE:-/tmp/moelab_jax_cache}
+
+MOE_PRESETS="gpu-small gpu-medium"
+BACKENDS="capacity ep dropless"  # dropless last: ragged_dot's GPU fallback is the slow one (design §6)
+
+# MOELAB_SUITE_TINY unset: tiny unless JAX sees a GPU; 1: tiny; 0: the full shapes wherever we are.
+if [ -z "${MOELAB_SUITE_TINY:-}" ] && [ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" != "gpu" ]; then
+  echo "gpu_suite: no GPU visible to JAX; running the tiny shapes (MOELAB_SUITE_TINY=1)" >&2
+  MOELAB_SUITE_TINY=1
+fi
+
+# stub FILE STATUS DETAIL: the JSON a run that left no file of its own gets.
+stub() {
+  printf '{"benchmark": "%s", "status": "%s", "error": "%s"}\n' "$4" "$2" "$3" > "$1"
+}
+
+if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
+  # One process per script, so the CI pays JAX's start-up and the matmul compile once.
+  RUNS=()
+  for p in $MOE_PRESETS; do for b in $BACKENDS; do RUNS+=(--run "$p:$b"); done; done
+  for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense"); done
+  "$PY" "$HERE/moe_layer.py" --tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 \
+      --out "$OUT/moe_layer.json" --json > "$OUT/moe_layer.log" 2>&1 &
+  LAYER=$!
+  "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1
+  "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --out-dir "$OUT" --json > "$OUT/mfu.log" 2>&1
+  wait $LAYER
+else
+  # run SECONDS_CAP FILE NAME CMD...: the command under a timeout that also respects the suite's budget.
+  run() {
+    local cap=$1 file=$2 name=$3; shift 3
+    local left=$((BUDGET_S - SECONDS - 5))
+    if [ "$left" -lt 20 ]; then stub "$file" skipped "suite budget of ${BUDGET_S}s spent" "$name"; return; fi
+    [ "$cap" -gt "$left" ] && cap=$left
+    echo "gpu_suite: [${SECONDS}s] $name (timeout ${cap}s)" >&2
+    timeout --kill-after=10 "$cap" "$@" >> "$OUT/suite.log" 2>&1
+    local rc=$?
+    if [ ! -s "$file" ]; then
+      if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then stub "$file" timeout "killed after ${cap}s" "$name"
+      else stub "$file" crashed "exit status $rc; see suite.log" "$name"; fi
+    fi
+  }
+  run 60 "$OUT/matmul.json" matmul "$PY" "$HERE/mfu.py" --matmul-only --out-dir "$OUT" --json
+  run 150 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,ep,dropless \
+      --budget-s 15 --out "$OUT/moe_layer.json" --json
+  # The fast path and the dense baselines first, so a tight budget cuts only the slow backends.
+  ORDER=()
+  for p in $MOE_PRESETS; do ORDER+=("$p:capacity" "$p-dense:dense"); done
+  for b in ep dropless; do for p in $MOE_PRESETS; do ORDER+=("$p:$b"); done; done
+  for pb in "${ORDER[@]}"; do
+    p=${pb%%:*}; b=${pb##*:}
+    cap=90; [[ $p == gpu-medium* ]] && cap=120  # compile + state init + ~15 s timed
+    run $cap "$OUT/mfu_${p}_${b}.json" mfu "$PY" "$HERE/mfu.py" --run "$p:$b" --out-dir "$OUT" \
+        --steps 5 --windows 3 --warmup 2 --budget-s 15 --json
+  done
+fi
+"$PY" "$HERE/suite_table.py" "$OUT"
