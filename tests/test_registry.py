@@ -223,12 +223,21 @@ def test_an_unknown_experiment_id_exits_2_listing_the_known_ones(command, lab):
     assert code == 2 and "unknown experiment id 'nope'" in err and "the registered ones are: exp-a" in err
 
 
-def test_a_ladder_spec_registers_but_running_it_says_what_is_missing(lab):
+def test_a_ladder_spec_with_a_bad_recipe_is_refused_at_registration(lab):
     _, spec, run = lab
     write_spec(spec, spec_data(config=None, ladder={"recipe": "frontier", "budgets": [1e17, 1e18]}))
+    code, _, err = run("register", str(spec))
+    assert code == 2 and "ladder must have the keys target and rungs" in err
+
+
+def test_a_ladder_spec_plans_rungs_then_fit_then_the_main_run(lab):
+    _, spec, run = lab
+    ladder = {"target": {"preset": "tiny", "overrides": {"train.steps": 40}}, "rungs": [[16, 1], [32, 1]]}
+    write_spec(spec, spec_data(config=None, ladder=ladder))
     assert run("register", str(spec))[0] == 0
-    code, _, err = run("run", "exp-a", "--dry-run")
-    assert code == 2 and "ladder spec" in err and "issue 8" in err
+    code, out, err = run("run", "exp-a", "--dry-run", "--json")
+    assert code == 0, err
+    assert [s["name"] for s in json.loads(out)] == ["rung-ladder-d16-l1", "rung-ladder-d32-l1", "fit", "train"]
 
 
 def test_a_ledger_edited_by_hand_is_reported_by_verify_after_a_registration(lab):

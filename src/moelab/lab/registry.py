@@ -207,6 +207,10 @@ def parse_spec(data: dict, where: str) -> Spec:
             resolve_run_config(spec)
         except ConfigError as e:
             raise ConfigError(f"{where}: config: {e}") from None
+    if spec.ladder is not None:
+        from moelab.ladder.rungs import check_monotone, recipe_from_data, rungs_of
+
+        check_monotone(rungs_of(recipe_from_data(spec.ladder, f"{where}: ladder")))
     return spec
 
 
