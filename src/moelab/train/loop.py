@@ -219,6 +219,14 @@ def _read_jsonl_until(path: Path, step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
 
 
+def _reopen_log(files: contextlib.ExitStack, path: Path, step: int) -> tuple[Any, list[str]]:
+    """Open a JSONL log for writing with its lines up to `step` kept (a resume redoes the rest)."""
+    kept = _read_jsonl_until(path, step)
+    f = files.enter_context(open(path, "w"))
+    f.writelines(line + "\n" for line in kept)
+    return f, kept
+
+
 def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
           predicted: str | Path | None = None, sinks: Sequence[tracking.Sink] = ()) -> dict:
     """Train `cfg` into `out_dir`, resuming from its newest valid checkpoint if there is one.
@@ -288,21 +296,15 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
 
     last_eval, record, tokens_per_s = initial_eval, {}, 0.0
     monitor, incidents = Monitor(cfg.monitor), []
-    kept_metrics = _read_jsonl_until(out / "metrics.jsonl", start)  # a resume redoes the steps after `start`
-    kept_incidents = _read_jsonl_until(out / "incidents.jsonl", start)
-    kept_mixture = _read_jsonl_until(out / "mixture_log.jsonl", start)
-    kept_samples = _read_jsonl_until(out / "samples.jsonl", start)
-    kept_loads = _read_jsonl_until(out / "router_load.jsonl", start)
-    mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized, [json.loads(x) for x in kept_mixture])
-    window_start, window_steps = time.perf_counter(), 0
-    with open(out / "metrics.jsonl", "w") as log, open(out / "incidents.jsonl", "w") as incident_log, \
-            open(out / "mixture_log.jsonl", "w") as mixture_log, open(out / "samples.jsonl", "w") as sample_log, \
-            open(out / "router_load.jsonl", "w") as load_log, _stop_requests() as stop:
-        log.writelines(line + "\n" for line in kept_metrics)
-        incident_log.writelines(line + "\n" for line in kept_incidents)
-        mixture_log.writelines(line + "\n" for line in kept_mixture)
-        sample_log.writelines(line + "\n" for line in kept_samples)
-        load_log.writelines(line + "\n" for line in kept_loads)
+    with contextlib.ExitStack() as files:
+        stop = files.enter_context(_stop_requests())
+        log, _ = _reopen_log(files, out / "metrics.jsonl", start)
+        incident_log, kept_incidents = _reopen_log(files, out / "incidents.jsonl", start)
+        mixture_log, kept_mixture = _reopen_log(files, out / "mixture_log.jsonl", start)
+        sample_log, _ = _reopen_log(files, out / "samples.jsonl", start)
+        load_log, _ = _reopen_log(files, out / "router_load.jsonl", start)
+        mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized, [json.loads(x) for x in kept_mixture])
+        window_start, window_steps = time.perf_counter(), 0
 
         def log_mixture(entry: dict | None) -> None:
             if entry is not None:
