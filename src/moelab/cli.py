@@ -216,7 +216,8 @@ def demo(
 
     Re-running reuses every finished step (seconds); the report states the hypothesis verdict.
     """
-    from moelab.lab.executor import FAILED, run_experiment
+    from moelab.lab.cli import show_outcomes
+    from moelab.lab.executor import run_experiment
     from moelab.lab.ledger import open_ledger
     from moelab.lab.registry import load_experiment, read_spec_file, register
     from moelab.lab.report import experiment_verdict, write_report
@@ -232,15 +233,7 @@ def demo(
     except ConfigError:
         register(ledger, spec)
         err_console.print(f"Registered {exp_id} in {ledger.path} before running anything.")
-    outcomes = run_experiment(ledger, exp_id, root, spec_path=spec)
-    table = Table("step", "action", "status", "output", title=f"experiment {exp_id}")
-    for o in outcomes:
-        table.add_row(o.name, o.action, str(o.status), str(o.output_dir))
-    out_console.print(table)
-    if any(o.status != "SUCCESS" for o in outcomes):
-        failed = [o.name for o in outcomes if o.status == FAILED]
-        err_console.print(f"[bold red]Failed steps:[/] {', '.join(failed) or 'blocked'}; see step.json in their directories.")
-        raise typer.Exit(1)
+    show_outcomes(exp_id, run_experiment(ledger, exp_id, root, spec_path=spec))
     html = write_report(ledger, exp_id)
     verdict, value = experiment_verdict(ledger, exp_id)
     metric = load_experiment(ledger, exp_id).spec.prediction.metric

@@ -168,13 +168,18 @@ def run(
     outcomes = run_experiment(book, exp_id, root, spec, backend)
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))
-    else:
-        table = Table("step", "outcome", "status", title=exp_id)
-        table.add_column("directory", overflow="fold")
-        table.add_column("error")
+    show_outcomes(exp_id, outcomes, table=not json_out)
+
+
+def show_outcomes(exp_id: str, outcomes: list, table: bool = True) -> None:
+    """Print a DAG's step outcomes; exit 1 naming the failed steps if any step did not succeed."""
+    if table:
+        rows = Table("step", "outcome", "status", title=exp_id)
+        rows.add_column("directory", overflow="fold")
+        rows.add_column("error")
         for o in outcomes:
-            table.add_row(o.name, o.action, o.status or "-", str(o.output_dir), o.error or "")
-        out_console.print(table)
+            rows.add_row(o.name, o.action, o.status or "-", str(o.output_dir), o.error or "")
+        out_console.print(rows)
     if any(o.status != SUCCESS for o in outcomes):
         failed = [o.name for o in outcomes if o.status == FAILED]
         err_console.print(f"[bold red]Failed:[/] {', '.join(failed) or 'blocked steps'}; see step.json in its "

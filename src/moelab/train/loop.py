@@ -42,10 +42,6 @@ from moelab.train.state import TrainState, init_sharded_state, make_optimizer, s
 __all__ = ["Hooks", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus", "config_changes",
            "check_resumable", "train"]
 
-# Metric names are a contract: reports and tests read these keys from metrics.jsonl.
-STEP_METRICS = ("loss", "ce", "lr", "grad_norm", "drop_fraction")
-
-
 def compute_dtype(cfg: RunConfig) -> jnp.dtype:
     return jnp.bfloat16 if cfg.train.compute_dtype == "bfloat16" else jnp.float32
 
@@ -94,7 +90,6 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
             "lr": schedule(state.step),
             "grad_norm": optax.tree.norm(grads),
             "drop_fraction": aux["drop_fraction"],
-            "expert_load": aux["expert_load"],
         }
         # Balancing: step t's statistics give the bias of step t+1. It is not rolled back with a
         # skipped step: the routing statistics of a spiking batch are as valid as any other's.
