@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model import dispatch as dispatch_lib
 from moelab.model import moe, transformer
@@ -249,3 +251,49 @@ def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
     ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"))
     assert calls == [(B * S, 16)]  # the latent-width rows
     assert _relative_error(y, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# take_rows: a gather whose gradient is a gather
+
+
+def _random_partial_injection(rng, num_rows: int, fan_out: int, num_out: int):
+    """index [num_out] into num_rows rows (num_rows = none) where each row is read at most fan_out
+    times, and its inverse [num_rows * fan_out] (num_out = none), as `take_rows` documents."""
+    slots = num_rows * fan_out
+    readers = rng.permutation(slots + num_out)[:num_out]  # reader i takes fan-out slot readers[i]; none past `slots`
+    reads = readers < slots
+    index = np.where(reads, readers // fan_out, num_rows)
+    inverse = np.full(slots, num_out)
+    inverse[readers[reads]] = np.nonzero(reads)[0]
+    return jnp.asarray(index, jnp.int32), jnp.asarray(inverse, jnp.int32)
+
+
+@pytest.mark.parametrize("fan_out", [1, 3])
+def test_take_rows_value_and_gradient_equal_plain_indexing(fan_out):
+    rng = np.random.default_rng(fan_out)
+    R, N, D = 7, 15, 5
+    index, inverse = _random_partial_injection(rng, R, fan_out, N)
+    x = jnp.asarray(rng.normal(size=(R, D)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+
+    def plain(x):
+        return jnp.concatenate([x, jnp.zeros((1, D))])[index]  # autodiff: scatter-add
+
+    got, got_vjp = jax.vjp(lambda x: dispatch_lib.take_rows(x, index, inverse), x)
+    want, want_vjp = jax.vjp(plain, x)
+    np.testing.assert_array_equal(got, want)
+    assert np.any(np.asarray(index) == R), "some rows should read zero"
+    np.testing.assert_allclose(got_vjp(cot)[0], want_vjp(cot)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_pass_of_dispatch_has_no_float_scatter_add(backend):
+    """Every row move is a `take_rows`, so the gradient gathers rows instead of scattering them with atomics."""
+    cfg = _cfg(backend, "sigmoid", latent=False, shared=False)
+    text = dispatch_gradient_jaxpr(functools.partial(dispatch_lib.dispatch, backend), cfg, B * S)
+    assert "gather" in text
+    assert float_scatter_adds(text) == []
+    # The check itself can fail: plain indexing does scatter-add in its gradient.
+    plain = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(x[jnp.array([0, 0, 1])])))(jnp.ones((2, 3))))
+    assert float_scatter_adds(plain)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds
 from moelab import cli, presets
 from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_yaml, override
 from moelab.data.mixture import phase_at, sample_batch
@@ -123,6 +124,16 @@ def test_ep_moe_layer_matches_dense_in_output_and_every_gradient(mesh_name, num_
     assert _relative_error(y, ref_y) < 1e-5
     assert grads[0]["w_gate"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("expert")), 3)
     _assert_close(grads, ref_grads, "d out / ")
+
+
+@pytest.mark.parametrize("num_waves", [1, 3])
+def test_ep_backward_pass_has_no_float_scatter_add(num_waves):
+    """Pools, receiver buffers and the un-pooling are `take_rows`, so the gradient gathers rows."""
+    mesh = mesh_lib.make_mesh(MESHES["2x4"])
+    cfg = _cfg("ep", latent=False, num_waves=num_waves)
+    text = dispatch_gradient_jaxpr(ep.make_dispatch(mesh, cfg.moe), cfg, B * S)
+    assert "all_to_all" in text
+    assert float_scatter_adds(text) == []
 
 
 def _model_objective(params, tokens, bias, cotangent, cfg, ep_dispatch):

@@ -11,6 +11,9 @@ Every backend computes the same function (design §3):
   (they contribute 0) and counted. Static shapes, so this is the fast path on GPU (design §6).
 - `dropless`: `jax.lax.ragged_dot` over the expert-sorted rows; nothing is dropped.
 
+Rows move with `take_rows`, a gather whose gradient is also a gather (each map is injective with a
+known inverse), so no backward pass pays for a float scatter-add.
+
 The expert-parallel backend lives in `moelab.parallel.ep`; `moelab.model.moe` picks a backend.
 """
 
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "dense", "capacity", "dropless", "dispatch", "expert_capacity"]
+__all__ = ["BACKENDS", "dense", "capacity", "dropless", "dispatch", "expert_capacity", "take_rows"]
 
 BACKENDS = ("dense", "capacity", "dropless")
 
@@ -38,6 +41,44 @@ def _stats(routing: Routing, num_experts: int, dropped: jax.Array) -> Stats:
         "dropped": jnp.asarray(dropped, jnp.float32),
         "assignments": jnp.asarray(routing.expert_idx.size, jnp.float32),
     }
+
+
+@jax.custom_vjp
+def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """Row gather whose gradient is a gather too: out[i] = x[index[i]], zero where index[i] == len(x).
+
+    Autodiff's transpose of a gather is a scatter-add, which a GPU runs with atomics over rows it
+    cannot prove distinct. Every dispatch map here is injective with a known inverse, so the
+    gradient can be gathered instead: `inverse` lists, for each row r of x, the m output rows that
+    read it (a fixed fan-out, padded with len(index), which reads as zero), and
+    dx[r] = sum_j dout[inverse[r m + j]].
+
+    Args:
+        x: [R, D] rows.
+        index: [N] int32 in [0, R]; R selects a zero row.
+        inverse: [R * m] int32 in [0, N]; N selects a zero row. Each out row i with index[i] = r < R
+            must appear exactly once in inverse[r m : (r + 1) m], and nothing else may.
+
+    Returns:
+        [N, D] in x's dtype.
+    """
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(x, index, inverse):
+    return take_rows(x, index, inverse), (index, inverse, x.shape[0])
+
+
+def _take_rows_bwd(residuals, d_out):
+    index, inverse, num_rows = residuals
+    fan_out = inverse.size // num_rows
+    # The fan-out terms are summed in float32, as autodiff's scatter-add would not be; k = 8 bf16
+    # partial sums in bf16 would lose ~3 bits.
+    d_x = jnp.take(d_out, inverse, axis=0, mode="fill", fill_value=0).reshape(num_rows, fan_out, -1)
+    return jnp.sum(d_x, axis=1, dtype=jnp.float32).astype(d_out.dtype), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _combine(rows: jax.Array, routing: Routing) -> jax.Array:
@@ -129,22 +170,18 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
     starts = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
     rank = jnp.arange(T * k, dtype=jnp.int32) - starts[sorted_expert]  # position inside its expert
     kept = rank < C
-    # Buffer slot of each sorted assignment; dropped ones go to slot E * C, a row that stays empty.
+    # Buffer slot of each sorted assignment; dropped ones go to slot E * C, past the buffers.
     slot = jnp.where(kept, sorted_expert * C + rank, E * C)
+    # The two maps between assignments (t * k + j, token-major) and buffer slots; an assignment
+    # with no slot has E * C, a slot with no assignment has T * k (both read as zero rows).
+    assignment_slot = jnp.zeros((T * k,), jnp.int32).at[order].set(slot)
+    slot_assignment = jnp.full((E * C + 1,), T * k, jnp.int32).at[slot].set(order)[: E * C]
 
-    # Which token fills each buffer slot; empty slots point at token T, an all-zero row.
-    slot_token = jnp.full((E * C + 1,), T, jnp.int32).at[slot].set(order // k)[: E * C]
-    h_padded = jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)])
-    buf = h_padded[slot_token].reshape(E, C, h.shape[1])  # [E, C, Din], built by gather
-
+    buf = take_rows(h, slot_assignment // k, assignment_slot).reshape(E, C, h.shape[1])  # [E, C, Din]
     gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
     up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
     y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])  # [E, C, Din]
-
-    # Back to assignment order by gather (its gradient is the scatter-add into the buffers); the
-    # zero row at E * C is what a dropped assignment reads.
-    y_padded = jnp.concatenate([y.reshape(E * C, -1), jnp.zeros((1, y.shape[-1]), y.dtype)])
-    rows = y_padded[slot[_inverse(order)]]  # [T * k, Din]
+    rows = take_rows(y.reshape(E * C, -1), assignment_slot, slot_assignment)  # [T * k, Din]
     dropped = jnp.sum(jnp.maximum(counts - C, 0))
     return _combine(rows, routing), _stats(routing, E, dropped)
 
@@ -163,11 +200,12 @@ def dropless(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Arra
     T, k = routing.expert_idx.shape
     E = experts["w_gate"].shape[0]
     order, _, counts = _sort_by_expert(routing.expert_idx, E)
-    x = h[order // k]  # [T * k, Din], grouped by expert in the order of `counts`
+    position = _inverse(order)  # [T * k] sorted position of each assignment
+    x = take_rows(h, order // k, position)  # [T * k, Din], grouped by expert in the order of `counts`
     gate = jax.lax.ragged_dot(x, experts["w_gate"], counts)
     up = jax.lax.ragged_dot(x, experts["w_up"], counts)
     y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["w_down"], counts)  # [T * k, Din]
-    return _combine(y[_inverse(order)], routing), _stats(routing, E, 0.0)
+    return _combine(take_rows(y, position, order), routing), _stats(routing, E, 0.0)
 
 
 def dispatch(

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moelab.config import MoEConfig
-from moelab.model.dispatch import expert_capacity
+from moelab.model.dispatch import expert_capacity, take_rows
 from moelab.model.moe import EPDispatch
 from moelab.model.router import Routing, expert_load
 from moelab.parallel.mesh import BATCH_AXES
@@ -167,13 +167,11 @@ def _run_wave(rows: jax.Array, ids: jax.Array, experts: Experts, capacity: int) 
     X, Pl, Din = rows.shape
     El = experts["w_gate"].shape[0]
     slot = receiver_slots(ids, El, capacity).reshape(-1)  # [X P]
-    zero = jnp.zeros((1, Din), rows.dtype)
-    # Buffers built by gather (their gradient is the scatter-add back into the rows); unused buffer
-    # slots read the zero row X P.
-    fill = jnp.full((El * capacity + 1,), X * Pl, jnp.int32).at[slot].set(jnp.arange(X * Pl, dtype=jnp.int32))
-    buf = jnp.concatenate([rows.reshape(X * Pl, Din), zero])[fill[:-1]].reshape(El, capacity, Din)
+    # The received row filling each buffer slot; X P (a zero row) where none does.
+    fill = jnp.full((El * capacity + 1,), X * Pl, jnp.int32).at[slot].set(jnp.arange(X * Pl, dtype=jnp.int32))[:-1]
+    buf = take_rows(rows.reshape(X * Pl, Din), fill, slot).reshape(El, capacity, Din)
     y = _swiglu(buf, experts).reshape(El * capacity, Din)
-    out = jnp.concatenate([y, zero])[slot]  # empty and dropped rows read the zero row El C
+    out = take_rows(y, slot, fill)  # empty and dropped rows (slot El C) read zero
     return out.reshape(X, Pl, Din), slot.reshape(X, Pl)
 
 
@@ -186,8 +184,7 @@ def _local_dispatch(
     Din = h.shape[-1]
     W, X, El = num_waves, jax.lax.axis_size("expert"), experts["w_gate"].shape[0]
     pos, source, ids = _pack(expert_idx, El, X, W, pool)
-    zero = jnp.zeros((1, Din), h.dtype)
-    send = jnp.concatenate([h, zero])[source // k].reshape(W, X, pool, Din)  # source A -> token T, the zero row
+    send = take_rows(h, source // k, pos).reshape(W, X, pool, Din)  # empty rows (source A -> token T) are zero
 
     returned = []
     kept = dropped_at_receiver = jnp.zeros((), jnp.int32)
@@ -199,8 +196,8 @@ def _local_dispatch(
         kept += jnp.sum(in_buffer)
         dropped_at_receiver += jnp.sum((wave_ids < El) & ~in_buffer)  # arrived (a real id), found no slot
 
-    back = jnp.concatenate([jnp.stack(returned).reshape(W * X * pool, Din), zero])
-    y = back[pos].reshape(T, k, Din)  # dropped-at-sender assignments read the zero row
+    back = jnp.stack(returned).reshape(W * X * pool, Din)
+    y = take_rows(back, pos, source).reshape(T, k, Din)  # dropped-at-sender assignments (pos W X P) read zero
     out = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
     counts = {
         "dropped_at_sender": jnp.sum(pos == W * X * pool),
