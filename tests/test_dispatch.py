@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +13,12 @@ import numpy as np
 import pytest
 
 from helpers import dispatch_gradient_jaxpr, float_scatter_adds
-from moelab.config import ModelConfig, MoEConfig
+from moelab.config import ConfigError, ModelConfig, MoEConfig
 from moelab.model import dispatch as dispatch_lib
 from moelab.model import moe, transformer
 from moelab.model.router import route
 
-BACKENDS = ("capacity", "dropless")
+BACKENDS = ("capacity", "dropless", "grouped")
 ROUTER_SCORES = ("sigmoid", "softmax")
 E, K = 4, 2  # experts, top-k
 B, S = 2, 8  # batch, sequence: T = 16 tokens per MoE layer
@@ -297,3 +298,33 @@ def test_backward_pass_of_dispatch_has_no_float_scatter_add(backend):
     # The check itself can fail: plain indexing does scatter-add in its gradient.
     plain = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(x[jnp.array([0, 0, 1])])))(jnp.ones((2, 3))))
     assert float_scatter_adds(plain)
+
+
+def test_grouped_layer_forward_and_backward_lower_to_triton_for_cuda(monkeypatch):
+    """The whole `grouped` MoE layer, bf16, exported for CUDA on this CPU machine: the GPU tile sizes
+    are chosen (default backend patched to "gpu") and all nine expert matmuls lower to Triton kernels."""
+    cfg = ModelConfig(d_model=256, num_heads=4, num_kv_heads=4, moe=MoEConfig(
+        num_experts=8, num_experts_per_token=2, expert_dim=128, dispatch="grouped"))
+    params = jax.eval_shape(functools.partial(moe.init, cfg), jax.random.key(0))
+    x = jax.ShapeDtypeStruct((512, cfg.d_model), jnp.float32)
+
+    def loss(params, x):
+        y, _ = moe.apply(params, x, jnp.zeros((cfg.moe.num_experts,)), cfg, jnp.bfloat16)
+        return jnp.sum(y)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dispatch_lib.grouped_tiles(256, 128, on_gpu=True)["block_m"] == dispatch_lib.GPU_ROW_TILE
+    disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
+                                 disabled_checks=disabled)(params, x)
+    kernels = sorted(re.findall(r'stablehlo.custom_call @__gpu\$xla.gpu.triton.*?\bname = "(\w+)"',
+                                exported.mlir_module()))
+    assert kernels == ["gmm"] * 3 + ["gmm_dw"] * 3 + ["gmm_dx"] * 3
+
+
+def test_grouped_dispatch_needs_widths_that_are_multiples_of_16():
+    with pytest.raises(ConfigError, match=r"model.moe.expert_dim=24 .*multiple of 16"):
+        ModelConfig(moe=MoEConfig(expert_dim=24, dispatch="grouped"))
+    with pytest.raises(ConfigError, match=r"model.moe.latent_dim=40 .*multiple of 16"):
+        ModelConfig(d_model=64, moe=MoEConfig(expert_dim=32, latent_dim=40, dispatch="grouped"))
+    ModelConfig(d_model=64, moe=MoEConfig(expert_dim=32, latent_dim=48, dispatch="grouped"))

@@ -74,7 +74,7 @@ def _one_of(name: str, value: Any, options: tuple[str, ...]) -> None:
     _check(value in options, name, value, f"must be one of {', '.join(options)}")
 
 
-DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "ep")
+DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "grouped", "ep")
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCERS = ("none", "exact", "hist", "sign", "aux")
 DTYPES = ("float32", "bfloat16")
@@ -203,6 +203,11 @@ class ModelConfig:
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _one_of(p + "remat", self.remat, REMAT)
         _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
+        if self.moe.dispatch == "grouped":  # Triton's MMA tiles are multiples of 16 (GROUPED_MIN_TILE)
+            input_name = "model.moe.latent_dim" if self.moe.latent_dim is not None else "model.d_model"
+            for name, width in (("model.moe.expert_dim", self.moe.expert_dim), (input_name, self.expert_input_dim)):
+                _check(width % 16 == 0, name, width,
+                       "must be a multiple of 16 for dispatch 'grouped'; pick another width or dispatch 'capacity'")
 
     @property
     def dim_per_head(self) -> int:

@@ -127,7 +127,7 @@ def apply(
         if ep_dispatch is None:
             raise ValueError(
                 "model.moe.dispatch='ep' needs the expert-parallel backend from moelab.parallel.ep; "
-                "pass it as ep_dispatch=..., or pick dispatch 'dense', 'capacity' or 'dropless' on one device."
+                "pass it as ep_dispatch=..., or pick dispatch 'dense', 'capacity', 'dropless' or 'grouped' on one device."
             )
         routed, stats = ep_dispatch(h, routing, experts, m.capacity_factor)
     else:

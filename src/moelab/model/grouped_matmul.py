@@ -1,0 +1,257 @@
+"""Block-padded grouped matrix multiply for MoE experts: a Pallas (Triton) kernel with a custom VJP.
+
+`jax.lax.ragged_dot` on GPU falls back to a dense masked product (~10 TFLOP/s on an H200), so the
+dropless expert path needs its own grouped GEMM. We make the groups easy for a kernel: rows are sorted
+by expert and each expert's group is padded with zero rows up to a multiple of `block_m`, so every row
+block of `block_m` rows belongs to exactly one expert:
+
+    rows      | e0 e0 e0 0 | e2 e2 e2 e2 | e2 e2 0 0 | e3 0 0 0 | 0 0 0 0 |     (block_m = 4, e1 empty)
+    block_expert    0            2             2           3          4 (= E: unused, output zeros)
+    group_offsets [0, 1, 1, 3, 4]                                  (expert e owns blocks go[e] .. go[e+1])
+
+`padded_layout` builds this layout from per-expert counts. `gmm` is then a grid over (row block, column
+block); each program reads its expert id from `block_expert` and multiplies its rows by that expert's
+weight tile, accumulating in float32. The backward pass reuses the same kernel with the weight tile
+read transposed (dx = dy w[e]^T) and adds a second kernel over (expert, K tile, N tile) that sums
+x_b^T dy_b over the expert's row blocks (dw).
+
+The Triton backend cannot read array values in BlockSpec index maps (no scalar prefetch), so `w`, the
+integer arrays and, in the dw kernel, `x` and `dy` are passed whole and sliced inside the kernel with
+`pl.ds` at offsets computed from the loaded expert id or group offsets.
+
+On GPU, float32 inputs multiply in TF32 (the lowering's DEFAULT precision); bf16 is the target dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas.triton as plgpu
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+__all__ = ["gmm", "gmm_reference", "padded_layout"]
+
+_NN = (((1,), (0,)), ((), ()))  # [m, c] x [c, o] -> [m, o]
+_NT = (((1,), (1,)), ((), ()))  # [m, c] x [o, c] -> [m, o]: the weight tile read transposed
+_TN = (((0,), (0,)), ((), ()))  # [m, k] x [m, n] -> [k, n]: x^T dy
+# The Triton lowering computes element offsets in int32, so a larger operand would silently wrap.
+_MAX_ELEMENTS = 2**31 - 1
+# Triton tiles: the lowering rejects loads whose size is not a power of two, and tl.dot needs each
+# dimension >= 16 (the MMA instruction shape).
+_MIN_TILE = 16
+
+
+def padded_layout(counts: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """The block-padded layout of expert-sorted rows, for `gmm`.
+
+    Args:
+        counts: [E] int32 rows per expert; must sum to `num_rows` (not checked: traced).
+        num_rows: static number of expert-sorted rows.
+        block_m: rows per block.
+
+    Returns:
+        row_of_sorted: [num_rows] int32, the padded row of the i-th expert-sorted row (expert e's r-th
+            row goes to block_m * group_offsets[e] + r).
+        block_expert: [num_padded_rows // block_m] int32, each block's expert; E for unused blocks.
+        group_offsets: [E + 1] int32, the first block of each expert; group_offsets[E] = used blocks.
+        num_padded_rows: static, round_up(num_rows + E * (block_m - 1), block_m): each expert wastes
+            at most block_m - 1 rows, so every routing fits.
+    """
+    num_experts = counts.shape[0]
+    num_padded_rows = -(-(num_rows + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = counts.astype(jnp.int32)
+    blocks_per_expert = (counts + block_m - 1) // block_m
+    group_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_expert, dtype=jnp.int32)])
+    row_ends = jnp.cumsum(counts, dtype=jnp.int32)  # end of each expert's group among the sorted rows
+    sorted_idx = jnp.arange(num_rows, dtype=jnp.int32)
+    expert = jnp.searchsorted(row_ends, sorted_idx, side="right").astype(jnp.int32)
+    row_of_sorted = block_m * group_offsets[expert] + sorted_idx - (row_ends - counts)[expert]
+    # A block's expert is the number of experts whose blocks end at or before it: E past the last.
+    blocks = jnp.arange(num_padded_rows // block_m, dtype=jnp.int32)
+    block_expert = jnp.searchsorted(group_offsets[1:], blocks, side="right").astype(jnp.int32)
+    return row_of_sorted, block_expert, group_offsets, num_padded_rows
+
+
+def gmm_reference(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Array:
+    """`gmm` in plain jnp (a weight gather per block): the test oracle. x [M, K], w [E, K, N] -> [M, N]."""
+    num_blocks = block_expert.shape[0]
+    xb = x.reshape(num_blocks, -1, x.shape[1])
+    used = block_expert < w.shape[0]
+    wb = w[jnp.where(used, block_expert, 0)] * used[:, None, None].astype(w.dtype)
+    y = jnp.einsum("bmk,bkn->bmn", xb, wb, preferred_element_type=jnp.float32)
+    return y.reshape(x.shape[0], w.shape[2]).astype(x.dtype)
+
+
+def _block_kernel(block_expert_ref, x_ref, w_ref, y_ref, *, num_experts: int, block_c: int, transpose_w: bool):
+    """One [bm, bo] tile of y = x_b @ W, W = w[e] ([C, O]) or w[e]^T (w[e] is [O, C]), e = block_expert[b]."""
+    b, j = pl.program_id(0), pl.program_id(1)
+    e = block_expert_ref[b]
+    block_m, block_o = y_ref.shape
+    cols = pl.ds(j * block_o, block_o)
+
+    @pl.when(e < num_experts)
+    def _():
+        def accumulate(c, acc):
+            step = pl.ds(c * block_c, block_c)
+            lhs = x_ref[:, step]
+            if transpose_w:  # tt.trans of the loaded tile: Triton feeds it to the MMA without a copy of w.
+                acc += lax.dot_general(lhs, w_ref[e, cols, step], _NT, preferred_element_type=jnp.float32)
+            else:
+                acc += lax.dot_general(lhs, w_ref[e, step, cols], _NN, preferred_element_type=jnp.float32)
+            return acc
+
+        num_steps = x_ref.shape[1] // block_c  # static, so the loop is an scf.for Triton can pipeline
+        acc = lax.fori_loop(0, num_steps, accumulate, jnp.zeros((block_m, block_o), jnp.float32))
+        y_ref[...] = acc.astype(y_ref.dtype)
+
+    @pl.when(e >= num_experts)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+
+
+def _block_matmul(x, w, block_expert, *, block_m, block_c, block_o, transpose_w, interpret):
+    """[M, C] x (w [E, C, O] or, transposed, [E, O, C]) per row block -> [M, O] in x.dtype."""
+    num_rows, c_dim = x.shape
+    o_dim = w.shape[1] if transpose_w else w.shape[2]
+    kernel = functools.partial(_block_kernel, num_experts=w.shape[0], block_c=block_c, transpose_w=transpose_w)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, o_dim), x.dtype),
+        # Row blocks vary fastest, so neighbouring programs share a weight column tile (L2 reuse).
+        grid=(num_rows // block_m, o_dim // block_o),
+        in_specs=[
+            pl.BlockSpec(block_expert.shape, lambda b, j: (0,)),
+            pl.BlockSpec((block_m, c_dim), lambda b, j: (b, 0)),
+            pl.BlockSpec(w.shape, lambda b, j: (0, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((block_m, block_o), lambda b, j: (b, j)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        name="gmm_dx" if transpose_w else "gmm",
+    )(block_expert, x, w)
+
+
+def _dw_kernel(group_offsets_ref, x_ref, dy_ref, dw_ref, *, block_m: int):
+    """One [bk, bn] tile of dw[e] = sum over expert e's row blocks b of x_b^T dy_b (zeros if none)."""
+    e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_k, block_n = dw_ref.shape
+
+    def accumulate(b, acc):
+        rows = pl.ds(b * block_m, block_m)
+        xb = x_ref[rows, pl.ds(i * block_k, block_k)]
+        dyb = dy_ref[rows, pl.ds(j * block_n, block_n)]
+        return acc + lax.dot_general(xb, dyb, _TN, preferred_element_type=jnp.float32)
+
+    # Dynamic trip count; the Triton lowering still emits an scf.for (fori_loop pattern).
+    first, end = group_offsets_ref[e], group_offsets_ref[e + 1]
+    acc = lax.fori_loop(first, end, accumulate, jnp.zeros((block_k, block_n), jnp.float32))
+    dw_ref[...] = acc.astype(dw_ref.dtype)
+
+
+def _dw(x, dy, group_offsets, num_experts, *, block_m, block_n, block_k, interpret):
+    """dw [E, K, N] in x.dtype from x [M, K] and dy [M, N]."""
+    k_dim, n_dim = x.shape[1], dy.shape[1]
+    return pl.pallas_call(
+        functools.partial(_dw_kernel, block_m=block_m),
+        out_shape=jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), x.dtype),
+        grid=(num_experts, k_dim // block_k, n_dim // block_n),
+        in_specs=[
+            pl.BlockSpec(group_offsets.shape, lambda e, i, j: (0,)),
+            pl.BlockSpec(x.shape, lambda e, i, j: (0, 0)),
+            pl.BlockSpec(dy.shape, lambda e, i, j: (0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, block_k, block_n), lambda e, i, j: (e, i, j)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        name="gmm_dw",
+    )(group_offsets, x, dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gmm(x, w, block_expert, group_offsets, block_m, block_n, block_k, interpret):
+    return _block_matmul(
+        x, w, block_expert, block_m=block_m, block_c=block_k, block_o=block_n, transpose_w=False, interpret=interpret
+    )
+
+
+def _gmm_fwd(x, w, block_expert, group_offsets, block_m, block_n, block_k, interpret):
+    y = _gmm(x, w, block_expert, group_offsets, block_m, block_n, block_k, interpret)
+    return y, (x, w, block_expert, group_offsets)
+
+
+def _gmm_bwd(block_m, block_n, block_k, interpret, residuals, dy):
+    x, w, block_expert, group_offsets = residuals
+    # dx contracts over N in block_n steps and writes block_k-wide column tiles of K.
+    dx = _block_matmul(
+        dy, w, block_expert, block_m=block_m, block_c=block_n, block_o=block_k, transpose_w=True, interpret=interpret
+    )
+    dw = _dw(x, dy, group_offsets, w.shape[0], block_m=block_m, block_n=block_n, block_k=block_k, interpret=interpret)
+    return dx, dw, None, None  # integer inputs: no cotangent
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _check_tile(name: str, tile: int, dim_name: str, dim: int) -> None:
+    if tile < _MIN_TILE or tile & (tile - 1):
+        raise ValueError(f"{name}={tile} must be a power of two >= {_MIN_TILE} (Triton tile); try 64 or 128.")
+    if dim % tile:
+        raise ValueError(f"{dim_name}={dim} is not divisible by {name}={tile}; pick a {name} that divides {dim_name}.")
+
+
+def gmm(
+    x: jax.Array,
+    w: jax.Array,
+    block_expert: jax.Array,
+    group_offsets: jax.Array,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 64,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Grouped matmul over block-padded expert groups: y_b = x_b @ w[block_expert[b]] per row block b.
+
+    Differentiable in x and w; accumulates in float32. Build the layout with `padded_layout`.
+
+    Args:
+        x: [M, K], rows sorted by expert and padded per expert to a multiple of block_m.
+        w: [E, K, N] expert weights, same dtype as x.
+        block_expert: [M // block_m] int32, non-decreasing; E marks an unused block (output zeros),
+            allowed only after the used ones.
+        group_offsets: [E + 1] int32, the first row block of each expert; group_offsets[E] is the
+            number of used blocks.
+        block_m, block_n, block_k: tile sizes; powers of two >= 16 dividing M, N and K.
+        interpret: None runs the Pallas interpreter unless the default backend is a GPU.
+
+    Returns:
+        y: [M, N] in x.dtype.
+    """
+    num_rows, k_dim = x.shape
+    num_experts, _, n_dim = w.shape
+    if w.shape[1] != k_dim:
+        raise ValueError(f"w.shape={w.shape} does not match x.shape={x.shape}: w must be [E, K={k_dim}, N].")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w.dtype={w.dtype} differs from x.dtype={x.dtype}; cast w to {x.dtype} before gmm.")
+    _check_tile("block_m", block_m, "M (x.shape[0])", num_rows)
+    _check_tile("block_n", block_n, "N (w.shape[2])", n_dim)
+    _check_tile("block_k", block_k, "K (x.shape[1])", k_dim)
+    if block_expert.shape != (num_rows // block_m,):
+        raise ValueError(
+            f"block_expert.shape={block_expert.shape}; expected (M // block_m,) = ({num_rows // block_m},)."
+        )
+    if group_offsets.shape != (num_experts + 1,):
+        raise ValueError(f"group_offsets.shape={group_offsets.shape}; expected (E + 1,) = ({num_experts + 1},).")
+    for name, size in (("x", x.size), ("w", w.size), ("y", num_rows * n_dim)):
+        if size > _MAX_ELEMENTS:
+            raise ValueError(
+                f"{name} has {size} elements, past the kernel's int32 offsets; split the call over rows or experts."
+            )
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    block_expert = block_expert.astype(jnp.int32)
+    group_offsets = group_offsets.astype(jnp.int32)
+    return _gmm(x, w, block_expert, group_offsets, block_m, block_n, block_k, interpret)

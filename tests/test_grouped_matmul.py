@@ -1,0 +1,155 @@
+"""The block-padded grouped matmul matches its jnp reference (values and gradients) and lowers to Triton.
+
+Numerics run the Pallas interpreter on CPU in float32; the CUDA lowering is checked by exporting for
+the "cuda" platform, which runs the Pallas -> Triton lowering without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moelab.model.grouped_matmul import gmm, gmm_reference, padded_layout
+
+E, K, N = 4, 32, 64
+BLOCKS = dict(block_m=16, block_n=32, block_k=16)  # two K steps and two column tiles per block
+# Expert 1 has no rows, expert 2 fills exactly two blocks, so 4 blocks are used and 3 are unused.
+COUNTS = (5, 0, 32, 9)
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def _numpy_layout(counts: tuple[int, ...], block_m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`padded_layout` by loops: the oracle."""
+    row_of_sorted, block_expert, group_offsets = [], [], [0]
+    for e, c in enumerate(counts):
+        start = group_offsets[-1] * block_m
+        row_of_sorted += [start + r for r in range(c)]
+        num_blocks = -(-c // block_m)
+        block_expert += [e] * num_blocks
+        group_offsets.append(group_offsets[-1] + num_blocks)
+    return np.array(row_of_sorted), np.array(block_expert), np.array(group_offsets)
+
+
+def _relative_error(a: jax.Array, b: jax.Array) -> float:
+    """max|a - b| / max|b|: relative to the largest entry, since entries near zero by cancellation carry
+    a large elementwise error from summation order alone."""
+    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+
+
+def _inputs(dtype=jnp.float32):
+    """Padded x (zeros in padding, garbage in the unused blocks, which must not leak), w and the layout."""
+    num_rows = sum(COUNTS)
+    row_of_sorted, block_expert, group_offsets, num_padded = padded_layout(
+        jnp.array(COUNTS, jnp.int32), num_rows, BLOCKS["block_m"]
+    )
+    k_x, k_w, k_junk = jax.random.split(jax.random.key(0), 3)
+    rows = jax.random.normal(k_x, (num_rows, K), dtype)
+    used_rows = int(group_offsets[-1]) * BLOCKS["block_m"]
+    x = jax.random.normal(k_junk, (num_padded, K), dtype).at[:used_rows].set(0).at[row_of_sorted].set(rows)
+    w = jax.random.normal(k_w, (E, K, N), dtype)
+    return x, w, block_expert, group_offsets, row_of_sorted
+
+
+@pytest.mark.parametrize("counts", [COUNTS, (0, 0, 0, 7), (16, 16, 1, 0), (0, 0, 0, 0)])
+def test_padded_layout_matches_a_numpy_construction(counts):
+    block_m = 16
+    num_rows = sum(counts)
+    row_of_sorted, block_expert, group_offsets, num_padded = padded_layout(
+        jnp.array(counts, jnp.int32), num_rows, block_m
+    )
+    want_rows, want_used_blocks, want_offsets = _numpy_layout(counts, block_m)
+    assert num_padded == -(-(num_rows + len(counts) * (block_m - 1)) // block_m) * block_m
+    np.testing.assert_array_equal(row_of_sorted, want_rows)
+    np.testing.assert_array_equal(group_offsets, want_offsets)
+    unused = num_padded // block_m - len(want_used_blocks)
+    assert unused >= 0  # the static bound holds every routing
+    np.testing.assert_array_equal(block_expert, np.concatenate([want_used_blocks, np.full(unused, len(counts))]))
+
+
+def test_gmm_matches_reference_values_and_gradients_in_float32():
+    x, w, block_expert, group_offsets, _ = _inputs()
+    assert int(group_offsets[-1]) < block_expert.shape[0], "the test needs unused trailing blocks"
+
+    def kernel(x, w):
+        return gmm(x, w, block_expert, group_offsets, **BLOCKS)
+
+    def reference(x, w):
+        return gmm_reference(x, w, block_expert)
+
+    y, vjp = jax.vjp(kernel, x, w)
+    y_ref, vjp_ref = jax.vjp(reference, x, w)
+    dy = jax.random.normal(jax.random.key(1), y.shape)
+    # Only the float32 summation order differs (K in block_k chunks, dw over row blocks).
+    tolerance = 1e-5
+    assert _relative_error(y, y_ref) < tolerance
+    for got, want in zip(vjp(dy), vjp_ref(dy)):
+        assert _relative_error(got, want) < tolerance
+    dw = vjp(dy)[1]
+    np.testing.assert_array_equal(dw[1], 0.0)  # the expert with no rows gets no gradient
+
+
+def test_gmm_padded_rows_and_unused_blocks_give_zero_output_rows():
+    x, w, block_expert, group_offsets, row_of_sorted = _inputs()
+    y = gmm(x, w, block_expert, group_offsets, **BLOCKS)
+    is_data_row = np.zeros(x.shape[0], bool)
+    is_data_row[np.asarray(row_of_sorted)] = True
+    np.testing.assert_array_equal(y[~is_data_row], 0.0)  # padding has zero x; unused blocks hold junk x
+    assert np.all(np.any(np.asarray(y[is_data_row]) != 0, axis=1))
+
+
+def test_gmm_matches_reference_in_bfloat16():
+    x, w, block_expert, group_offsets, _ = _inputs(jnp.bfloat16)
+    y = gmm(x, w, block_expert, group_offsets, **BLOCKS)
+    assert y.dtype == jnp.bfloat16
+    # Both accumulate in float32 and round once to bf16 (8 mantissa bits): one ulp apart at most.
+    assert _relative_error(y.astype(jnp.float32), gmm_reference(x, w, block_expert).astype(jnp.float32)) < 2**-7
+
+
+@pytest.mark.parametrize(
+    "blocks, message",
+    [
+        (dict(block_m=16, block_n=32, block_k=64), r"K \(x.shape\[1\]\)=32 is not divisible by block_k=64"),
+        (dict(block_m=16, block_n=128, block_k=16), r"N \(w.shape\[2\]\)=64 is not divisible by block_n=128"),
+        (dict(block_m=32, block_n=32, block_k=16), r"M \(x.shape\[0\]\)=112 is not divisible by block_m=32"),
+        (dict(block_m=16, block_n=32, block_k=8), r"block_k=8 must be a power of two >= 16"),
+        (dict(block_m=48, block_n=32, block_k=16), r"block_m=48 must be a power of two >= 16"),
+    ],
+)
+def test_gmm_rejects_bad_block_sizes_naming_the_argument(blocks, message):
+    x, w, block_expert, group_offsets, _ = _inputs()
+    with pytest.raises(ValueError, match=message):
+        gmm(x, w, block_expert, group_offsets, **blocks)
+
+
+def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda():
+    """Exporting for CUDA on a CPU-only machine runs the Pallas -> Triton lowering of all three kernels.
+
+    The Triton module is serialized into the custom call; Triton's own passes (layouts, pipelining,
+    PTX) run only when XLA compiles on a GPU, so this catches unsupported ops, not tile-size limits.
+    """
+    M, K_, N_, E_ = 1024, 256, 256, 8  # a realistic tile config: 8 row blocks, 2-4 column tiles
+
+    def loss(x, w, block_expert, group_offsets):
+        y = gmm(x, w, block_expert, group_offsets, block_m=128, block_n=128, block_k=64, interpret=False)
+        return jnp.sum(y.astype(jnp.float32))
+
+    args = (
+        jax.ShapeDtypeStruct((M, K_), jnp.bfloat16),
+        jax.ShapeDtypeStruct((E_, K_, N_), jnp.bfloat16),
+        jax.ShapeDtypeStruct((M // 128,), jnp.int32),
+        jax.ShapeDtypeStruct((E_ + 1,), jnp.int32),
+    )
+    # The Triton custom call has no export compatibility guarantee; we export only to lower.
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
+    fns = {"forward": loss, "forward+backward": jax.value_and_grad(loss, argnums=(0, 1))}
+    want_kernels = {"forward": ["gmm"], "forward+backward": ["gmm", "gmm_dw", "gmm_dx"]}
+    for label, fn in fns.items():
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(*args)
+        calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call" in line]
+        assert all(TRITON_TARGET in line for line in calls), label
+        names = sorted(re.search(r'\bname = "(\w+)"', line).group(1) for line in calls)
+        assert names == want_kernels[label], label
