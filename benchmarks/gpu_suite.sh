@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-GPU benchmark suite (issue 9): bf16 matmul peak, the MoE layer alone, then the train step of
-# gpu-small and gpu-medium under capacity / ep / dropless and their equal-FLOP dense counterparts.
+# One-GPU benchmark suite (issue 9): bf16 matmul peak, the MoE layer alone (every backend, grouped's
+# tile variants, a breakdown of where the time goes), then the train step of gpu-small and gpu-medium
+# under capacity / grouped / ep / dropless and their equal-FLOP dense counterparts.
 #
 #   benchmarks/gpu_suite.sh OUTDIR                      # on an H200: ~5-7 minutes, capped at 7.5
 #   MOELAB_SUITE_TINY=1 benchmarks/gpu_suite.sh OUTDIR  # CPU-sized shapes, same logic (also the default without a GPU)
@@ -20,7 +21,7 @@ export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_COMPILATION_CACHE_DIR=${MOELAB_JAX_CACHE:-/tmp/moelab_jax_cache}
 
 MOE_PRESETS="gpu-small gpu-medium"
-BACKENDS="capacity ep dropless"  # dropless last: ragged_dot's GPU fallback is the slow one (design §6)
+BACKENDS="capacity grouped ep dropless"  # dropless last: ragged_dot's GPU fallback is the slow one (design §6)
 
 # MOELAB_SUITE_TINY unset: tiny unless JAX sees a GPU; 1: tiny; 0: the full shapes wherever we are.
 if [ -z "${MOELAB_SUITE_TINY:-}" ] && [ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" != "gpu" ]; then
@@ -39,7 +40,7 @@ if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
   for p in $MOE_PRESETS; do for b in $BACKENDS; do RUNS+=(--run "$p:$b"); done; done
   for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense"); done
   "$PY" "$HERE/moe_layer.py" --tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 \
-      --out "$OUT/moe_layer.json" --json > "$OUT/moe_layer.log" 2>&1 &
+      --grouped-variants 16x32x16w4s3 --breakdown --out "$OUT/moe_layer.json" --json > "$OUT/moe_layer.log" 2>&1 &
   LAYER=$!
   "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1
   "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --out-dir "$OUT" --json > "$OUT/mfu.log" 2>&1
@@ -60,11 +61,12 @@ else
     fi
   }
   run 60 "$OUT/matmul.json" matmul "$PY" "$HERE/mfu.py" --matmul-only --out-dir "$OUT" --json
-  run 150 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,ep,dropless \
-      --budget-s 15 --out "$OUT/moe_layer.json" --json
-  # The fast path and the dense baselines first, so a tight budget cuts only the slow backends.
+  run 180 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,grouped,ep,dropless \
+      --grouped-variants default --breakdown --budget-s 3 --out "$OUT/moe_layer.json" --json
+  # The issue's figures first (gpu-medium's MFU, MoE against dense), fast paths before slow ones, so a
+  # tight budget cuts only the slow backends.
   ORDER=()
-  for p in $MOE_PRESETS; do ORDER+=("$p:capacity" "$p-dense:dense"); done
+  for p in gpu-medium gpu-small; do ORDER+=("$p:grouped" "$p:capacity" "$p-dense:dense"); done
   for b in ep dropless; do for p in $MOE_PRESETS; do ORDER+=("$p:$b"); done; done
   for pb in "${ORDER[@]}"; do
     p=${pb%%:*}; b=${pb##*:}

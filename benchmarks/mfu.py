@@ -33,7 +33,7 @@ from moelab.train.loop import make_train_step
 from moelab.train.state import init_sharded_state
 
 DATASHEET_PEAK = 989e12  # H100 / H200 SXM dense bf16, FLOP/s
-BACKENDS = ("capacity", "dropless", "ep", "dense")
+BACKENDS = ("capacity", "grouped", "dropless", "ep", "dense")
 
 
 def on_gpu() -> bool:
@@ -78,7 +78,7 @@ def resolve_config(preset: str, backend: str | None, tiny: bool, batch_size: int
     backend = backend or cfg.model.moe.dispatch
     if is_dense != (backend == "dense"):
         raise SystemExit(f"--backend {backend} does not fit preset {preset} (dense presets take --backend dense, "
-                         "MoE presets capacity, dropless or ep).")
+                         "MoE presets capacity, grouped, dropless or ep).")
     cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, dispatch=backend)),
                   mesh=MeshConfig(replica=1, expert=1))
     if batch_size is not None:

@@ -12,12 +12,24 @@ input. Useful throughput counts only the experts' matmuls a token needs:
 (forward + backward = 3 x forward; a SwiGLU expert is 3 matmuls of d x width). Drops under `capacity`
 are not subtracted. `ep` is the expert-parallel backend on a 1x1 mesh. A backend that fails (out of
 memory, say) reports `status` "error" and the others still run.
+
+Where the time goes, without a profiler:
+- `--grouped-variants`: `grouped` again with other Pallas tile sizes (`BMxBNxBKwWARPSsSTAGES`), reported
+  as `grouped[...]`; the fastest is the one to make the default.
+- `--breakdown`: for `capacity` and `grouped`, the same layer timed in parts: the router alone, the
+  whole backend at expert width 16 (sorting, index maps and row moves with next to no matmul work),
+  and the expert matmuls alone on ready-made buffers; plus the ideal batched matmul (every expert
+  exactly its fair share of rows, one cuBLAS batched GEMM per matmul), the ceiling for any
+  sort-and-buffer layer on this device.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import re
 import statistics
 import time
 
@@ -25,11 +37,17 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import MeshConfig, ModelConfig, MoEConfig
-from moelab.model import moe
+from moelab.model import dispatch as dispatch_lib
+from moelab.model import grouped_matmul, moe
+from moelab.model.router import route
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 
-BACKENDS = ("capacity", "dropless", "ep")
+BACKENDS = ("capacity", "grouped", "ep", "dropless")
+# Tile sizes `--grouped-variants` tries by default on a GPU (the first is the library default there).
+GROUPED_VARIANTS = ("128x128x64w4s3", "128x256x64w8s3", "128x128x32w4s4", "64x128x64w4s3")
+BREAKDOWN_BACKENDS = ("capacity", "grouped")
+MOVES_WIDTH = 16  # expert width of the "moves" part: the smallest `grouped` accepts
 
 
 def layer_config(d: int, experts: int, topk: int, width: int, backend: str, capacity_factor: float) -> ModelConfig:
@@ -43,37 +61,140 @@ def useful_flops(tokens: int, topk: int, d: int, width: int) -> int:
     return 6 * tokens * topk * 3 * d * width
 
 
-def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float) -> dict:
-    """Median seconds of one jitted forward + backward of the layer."""
-    ep_dispatch = ep.make_dispatch(mesh_lib.make_mesh(MeshConfig()), cfg.moe) if cfg.moe.dispatch == "ep" else None
-    k_p, k_x, k_c = jax.random.split(jax.random.key(0), 3)
-    params = moe.init(cfg, k_p)
-    x = jax.random.normal(k_x, (tokens, cfg.d_model), jnp.float32)
-    cot = jax.random.normal(k_c, (tokens, cfg.d_model), jnp.float32)
-    bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
+def parse_variant(text: str) -> dict[str, int]:
+    """'128x256x64w8s3' -> gmm keyword arguments (block_m, block_n, block_k, num_warps, num_stages)."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)", text)
+    if not match:
+        raise SystemExit(f"--grouped-variants entry {text!r} is not BMxBNxBKwWARPSsSTAGES, e.g. 128x128x64w4s3")
+    return dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), map(int, match.groups())))
 
-    def loss(params, x):
-        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, ep_dispatch)
-        return jnp.sum(y * cot), stats["dropped"] / stats["assignments"]
 
-    fwd_bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+def time_call(fn, args, iters: int, budget_s: float) -> dict:
+    """Median seconds of `fn(*args)` (jitted) over 3 windows of up to `iters` calls, one sync per window."""
     start = time.perf_counter()
-    out = jax.block_until_ready(fwd_bwd(params, x))
+    out = jax.block_until_ready(fn(*args))
     first_s = time.perf_counter() - start
     start = time.perf_counter()
-    out = jax.block_until_ready(fwd_bwd(params, x))
+    out = jax.block_until_ready(fn(*args))
     one_s = time.perf_counter() - start
     iters = max(1, min(iters, int(budget_s / (3 * max(one_s, 1e-9)))))
     times = []
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(iters):
-            out = fwd_bwd(params, x)
+            out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / iters)
-    (_, drop_fraction), _ = out
-    return {"seconds": statistics.median(times), "iters": iters, "first_call_s": first_s,
-            "drop_fraction": float(drop_fraction)}
+    return {"seconds": statistics.median(times), "iters": iters, "first_call_s": first_s, "out": out}
+
+
+def _inputs(cfg: ModelConfig, tokens: int):
+    k_p, k_x, k_c = jax.random.split(jax.random.key(0), 3)
+    params = moe.init(cfg, k_p)
+    x = jax.random.normal(k_x, (tokens, cfg.d_model), jnp.float32)
+    cot = jax.random.normal(k_c, (tokens, cfg.d_model), jnp.float32)
+    return params, x, cot
+
+
+def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, backend_fn=None) -> dict:
+    """Median seconds of one jitted forward + backward of the layer.
+
+    `backend_fn(h, routing, experts, capacity_factor)`, if given, replaces the configured backend
+    through `moe.apply`'s backend hook (how `grouped` runs with other tiles).
+    """
+    if cfg.moe.dispatch == "ep":
+        backend_fn = backend_fn or ep.make_dispatch(mesh_lib.make_mesh(MeshConfig()), cfg.moe)
+    elif backend_fn is not None:
+        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="ep"))
+    params, x, cot = _inputs(cfg, tokens)
+    bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
+
+    def loss(params, x):
+        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, backend_fn)
+        return jnp.sum(y * cot), stats["dropped"] / stats["assignments"]
+
+    timing = time_call(jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), (params, x), iters, budget_s)
+    (_, drop_fraction), _ = timing.pop("out")
+    return {**timing, "drop_fraction": float(drop_fraction)}
+
+
+def _swiglu_buffers(buf, w_gate, w_up, w_down):
+    """The `capacity` backend's expert matmuls on [E, C, d] buffers."""
+    gate = jnp.einsum("ecd,edf->ecf", buf, w_gate)
+    up = jnp.einsum("ecd,edf->ecf", buf, w_up)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down)
+
+
+def _swiglu_grouped(rows, w_gate, w_up, w_down, block_expert, group_offsets, tiles):
+    """The `grouped` backend's expert matmuls on block-padded rows."""
+    gmm = functools.partial(grouped_matmul.gmm, block_expert=block_expert, group_offsets=group_offsets, **tiles)
+    return gmm(jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up), w_down)
+
+
+def _time_matmuls(swiglu, rows_shape, cfg: ModelConfig, iters: int, budget_s: float, *extra) -> dict:
+    """Forward + backward of `swiglu(rows, w_gate, w_up, w_down, *extra)` in bf16, gradients for all four."""
+    params, _, _ = _inputs(cfg, 1)
+    experts = [params[name].astype(jnp.bfloat16) for name in ("w_gate", "w_up", "w_down")]
+    rows = jax.random.normal(jax.random.key(3), rows_shape, jnp.bfloat16)
+
+    def loss(rows, *experts):
+        return jnp.sum(swiglu(rows, *experts, *extra).astype(jnp.float32))
+
+    timing = time_call(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), (rows, *experts), iters, budget_s)
+    timing.pop("out")
+    return timing
+
+
+def breakdown(backend: str, args, flops: int) -> dict:
+    """The layer's parts for `backend` (see the module docstring); each with seconds and useful TFLOP/s
+    where matmul work is the point."""
+    cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.capacity_factor)
+    params, x, cot = _inputs(cfg, args.tokens)
+    bias = jnp.zeros((args.experts,), jnp.float32)
+
+    def router_loss(w_router, x):
+        return jnp.sum(route(x, w_router, bias, cfg.moe).weights)
+
+    router = time_call(jax.jit(jax.grad(router_loss, argnums=(0, 1))), (params["w_router"], x), args.iters,
+                       args.budget_s)
+    router.pop("out")
+    narrow = layer_config(args.d, args.experts, args.topk, MOVES_WIDTH, backend, args.capacity_factor)
+    parts = {"router": router, f"backend_at_width_{MOVES_WIDTH}": time_backend(narrow, args.tokens, args.iters,
+                                                                                args.budget_s)}
+    A = args.tokens * args.topk
+    if backend == "capacity":
+        C = min(dispatch_lib.expert_capacity(A, args.experts, args.capacity_factor), args.tokens)
+        parts["expert_matmuls"] = _time_matmuls(_swiglu_buffers, (args.experts, C, args.d), cfg, args.iters,
+                                                args.budget_s)
+    else:
+        tiles = dispatch_lib.grouped_tiles(args.d, args.width, on_gpu=jax.default_backend() == "gpu")
+        counts = jnp.full((args.experts,), A // args.experts, jnp.int32).at[0].add(A % args.experts)
+        _, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, tiles["block_m"])
+        parts["expert_matmuls"] = _time_matmuls(_swiglu_grouped, (M, args.d), cfg, args.iters, args.budget_s,
+                                                block_expert, group_offsets, tiles)
+    parts["expert_matmuls"]["useful_tflops_per_s"] = flops / parts["expert_matmuls"]["seconds"] / 1e12
+    return parts
+
+
+def _ideal_batched_matmul(args, flops: int) -> dict:
+    """Every expert exactly A / E rows: the matmuls a perfectly balanced, drop-free buffer layer runs."""
+    cfg = layer_config(args.d, args.experts, args.topk, args.width, "capacity", 1.0)
+    rows = -(-args.tokens * args.topk // args.experts)
+    timing = _time_matmuls(_swiglu_buffers, (args.experts, rows, args.d), cfg, args.iters, args.budget_s)
+    return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12}
+
+
+def _peak_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("peak_bytes_in_use") if stats else None
+
+
+def _guarded(fn) -> dict:
+    """`fn()` with status "ok", or status "error" and the message (e.g. ragged_dot's fallback out of memory)."""
+    try:
+        return {**fn(), "status": "ok"}
+    except Exception as e:  # noqa: BLE001 - one failing variant must not cost the others
+        return {"status": "error", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
 
 
 def _write(path: str, result: dict) -> None:
@@ -90,32 +211,49 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--capacity-factor", type=float, default=1.15)
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--grouped-variants", default="",
+                        help=f"comma-separated gmm tiles for extra `grouped` runs, or 'default' ({','.join(GROUPED_VARIANTS)})")
+    parser.add_argument("--breakdown", action="store_true", help="also time the parts of capacity and grouped")
     parser.add_argument("--iters", type=int, default=10, help="calls per timed window (3 windows)")
-    parser.add_argument("--budget-s", type=float, default=30.0, help="cap on each backend's timed seconds")
+    parser.add_argument("--budget-s", type=float, default=30.0, help="cap on each timing's seconds")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    variants = GROUPED_VARIANTS if args.grouped_variants == "default" else [
+        v for v in args.grouped_variants.split(",") if v]
+    tiles = {v: parse_variant(v) for v in variants}  # fail on a typo before any work
 
     flops = useful_flops(args.tokens, args.topk, args.d, args.width)
     result = {"benchmark": "moe_layer", "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
               "jax": jax.__version__, "tokens": args.tokens, "d": args.d, "experts": args.experts, "topk": args.topk,
               "width": args.width, "capacity_factor": args.capacity_factor, "dtype": "bfloat16",
               "useful_flops": flops, "backends": {}}
+
+    def save(status: str) -> None:  # after every step, so a later one that hangs past a timeout loses only itself
+        if args.out:
+            _write(args.out, {**result, "status": status})
+
+    def timed_layer(backend: str, backend_fn=None) -> dict:
+        cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.capacity_factor)
+        timing = time_backend(cfg, args.tokens, args.iters, args.budget_s, backend_fn)
+        return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12, "peak_memory_bytes": _peak_memory()}
+
     for backend in args.backends.split(","):
-        try:
-            cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.capacity_factor)
-            timing = time_backend(cfg, args.tokens, args.iters, args.budget_s)
-            stats = jax.devices()[0].memory_stats()
-            result["backends"][backend] = {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12,
-                                           "peak_memory_bytes": stats.get("peak_bytes_in_use") if stats else None,
-                                           "status": "ok"}
-        except Exception as e:  # noqa: BLE001 - e.g. ragged_dot's fallback running out of memory on a GPU
-            result["backends"][backend] = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
-        if args.out:  # after every backend, so a later one that hangs past a timeout loses only itself
-            _write(args.out, {**result, "status": "running"})
-    result["status"] = "ok" if all(r["status"] == "ok" for r in result["backends"].values()) else "error"
-    if args.out:
-        _write(args.out, result)
+        result["backends"][backend] = _guarded(functools.partial(timed_layer, backend))
+        save("running")
+    for name, gmm_tiles in tiles.items():
+        def fn(h, routing, experts, capacity_factor, gmm_tiles=gmm_tiles):
+            return dispatch_lib.grouped(h, routing, experts, tiles=gmm_tiles)
+        result["backends"][f"grouped[{name}]"] = _guarded(functools.partial(timed_layer, "grouped", fn))
+        save("running")
+    if args.breakdown:
+        result["breakdown"] = {"ideal_batched_matmul": _guarded(functools.partial(_ideal_batched_matmul, args, flops))}
+        for backend in BREAKDOWN_BACKENDS:
+            result["breakdown"][backend] = _guarded(lambda b=backend: {"parts": breakdown(b, args, flops)})
+            save("running")
+    runs = [*result["backends"].values(), *result.get("breakdown", {}).values()]
+    result["status"] = "ok" if all(r["status"] == "ok" for r in runs) else "error"
+    save(result["status"])
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 MOE_PRESETS = ("gpu-small", "gpu-medium")
-MOE_BACKENDS = ("capacity", "ep", "dropless")
+MOE_BACKENDS = ("capacity", "grouped", "ep", "dropless")
 MFU_RUNS = tuple((p, b) for p in MOE_PRESETS for b in MOE_BACKENDS) + tuple((f"{p}-dense", "dense") for p in MOE_PRESETS)
 EXPECTED_FILES = ("matmul.json", "moe_layer.json", *(f"mfu_{p}_{b}.json" for p, b in MFU_RUNS))
 
@@ -24,6 +24,32 @@ def _load(path: Path) -> dict:
 
 def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def _breakdown(layer: dict) -> list[str]:
+    """Where the layer's time goes: each part of `capacity` and `grouped` in ms and as a share of the layer."""
+    parts_of = layer.get("breakdown")
+    if not parts_of:
+        return []
+    ideal = parts_of.get("ideal_batched_matmul", {})
+    lines = ["", "Where the layer's time goes (each part timed alone, as a share of the whole layer; the "
+             "width-16 backend includes the router):", "",
+             "| backend | part | ms | share | useful TFLOP/s |", "|---|---|---|---|---|"]
+    if ideal.get("status") == "ok":
+        lines.append(f"| - | ideal batched matmul (fair share, no drops) | {ideal['seconds'] * 1e3:.2f} | - | "
+                     f"{ideal['useful_tflops_per_s']:.1f} |")
+    for backend, entry in parts_of.items():
+        if backend == "ideal_batched_matmul":
+            continue
+        if entry.get("status") != "ok":
+            lines.append(f"| {backend} | - | - | - | {entry.get('status')}: {str(entry.get('error', ''))[:60]} |")
+            continue
+        whole = layer.get("backends", {}).get(backend, {}).get("seconds")
+        for part, r in entry["parts"].items():
+            share = _num(whole and r["seconds"] / whole, ".0%")
+            lines.append(f"| {backend} | {part} | {r['seconds'] * 1e3:.2f} | {share} | "
+                         f"{_num(r.get('useful_tflops_per_s'), '.1f')} |")
+    return lines
 
 
 def render(out: Path) -> str:
@@ -48,6 +74,7 @@ def render(out: Path) -> str:
                      f"{_num(mem and mem / 2**30, '.1f')} | {r.get('status')} |")
     if "backends" not in layer:
         lines.append(f"| - | - | - | - | - | {layer.get('status')} |")
+    lines += _breakdown(layer)
     lines += ["", "Train step (median after warm-up):", "",
               "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | peak GiB | status |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -57,9 +57,15 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     matmul = json.loads((tmp_path / "matmul.json").read_text())
     assert matmul["matmul_peak_flops"] > 0 and {"matmul_n", "fraction_of_datasheet"} <= set(matmul)
     layer = json.loads((tmp_path / "moe_layer.json").read_text())
-    assert set(layer["backends"]) == {"capacity", "dropless", "ep"}
+    assert set(layer["backends"]) == {"capacity", "grouped", "dropless", "ep", "grouped[16x32x16w4s3]"}
     for backend in layer["backends"].values():
         assert LAYER_KEYS <= set(backend)
+    breakdown = layer["breakdown"]
+    assert breakdown["ideal_batched_matmul"]["useful_tflops_per_s"] > 0
+    for backend in moe_layer.BREAKDOWN_BACKENDS:
+        parts = breakdown[backend]["parts"]
+        assert set(parts) == {"router", "backend_at_width_16", "expert_matmuls"}
+        assert all(part["seconds"] > 0 for part in parts.values())
     for preset, backend in suite_table.MFU_RUNS:
         result = json.loads((tmp_path / f"mfu_{preset}_{backend}.json").read_text())
         assert MFU_KEYS <= set(result), MFU_KEYS - set(result)
@@ -68,6 +74,7 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     # The table comes last and shows every run.
     table = proc.stdout[proc.stdout.index("Train step"):]
     assert table.count("ok (tiny)") == len(suite_table.MFU_RUNS)
+    assert "| grouped | expert_matmuls |" in proc.stdout
 
 
 def test_mfu_arithmetic_comes_from_accounting():
@@ -113,6 +120,16 @@ def test_gpu_presets_shapes():
 
 def test_layer_useful_flops():
     assert moe_layer.useful_flops(16384, 8, 2048, 1024) == 6 * 16384 * 8 * 3 * 2048 * 1024
+
+
+def test_layer_tile_variants_parse_and_reject_typos():
+    assert moe_layer.parse_variant("128x256x64w8s3") == {"block_m": 128, "block_n": 256, "block_k": 64,
+                                                         "num_warps": 8, "num_stages": 3}
+    for variant in moe_layer.GROUPED_VARIANTS:  # the defaults divide the benchmark's shape (d 2048, width 1024)
+        tiles = moe_layer.parse_variant(variant)
+        assert 2048 % tiles["block_k"] == 0 and 1024 % tiles["block_n"] == 0 and 1024 % tiles["block_k"] == 0
+    with pytest.raises(SystemExit, match="BMxBNxBK"):
+        moe_layer.parse_variant("128x128")
 
 
 @pytest.mark.parametrize("remat", ["dots", "full"])

@@ -238,20 +238,23 @@ def grouped_tiles(input_dim: int, expert_dim: int, on_gpu: bool) -> dict[str, in
             "block_k": _largest_tile(math.gcd(input_dim, expert_dim), 64)}
 
 
-def grouped(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, Stats]:
+def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
+            ) -> tuple[jax.Array, Stats]:
     """Dropless dispatch through the Pallas grouped GEMM over block-padded expert groups.
 
     Args:
         h: [T, Din] expert inputs; Din and the expert width F multiples of 16.
         routing: chosen experts and combine weights.
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
+        tiles: `gmm` keyword arguments (block_m/n/k, num_warps, num_stages); None: `grouped_tiles`.
+            The layer benchmark tries several on the GPU.
 
     Returns:
         out [T, Din] and stats (`dropped` = 0).
     """
     T, k = routing.expert_idx.shape
     E, Din, F = experts["w_gate"].shape
-    tiles = grouped_tiles(Din, F, on_gpu=jax.default_backend() == "gpu")
+    tiles = tiles or grouped_tiles(Din, F, on_gpu=jax.default_backend() == "gpu")
     order, _, counts = _sort_by_expert(routing.expert_idx, E)
     row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, T * k, tiles["block_m"])
     # The padded row of each assignment, and the assignment in each padded row (T k for padding).
