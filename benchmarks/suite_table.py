@@ -76,17 +76,18 @@ def render(out: Path) -> str:
         lines.append(f"| - | - | - | - | - | {layer.get('status')} |")
     lines += _breakdown(layer)
     lines += ["", "Train step (median after warm-up):", "",
-              "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | peak GiB | status |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | peak GiB | attention "
+              "| status |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for p, b in MFU_RUNS:
         r = _load(out / f"mfu_{p}_{b}.json")
         if r.get("status") != "ok":
-            lines.append(f"| {p} | {b} | - | - | - | - | - | - | {r.get('status')}: {str(r.get('error', ''))[:60]} |")
+            lines.append(f"| {p} | {b} | - | - | - | - | - | - | - | {r.get('status')}: {str(r.get('error', ''))[:60]} |")
             continue
         mem = r.get("peak_memory_bytes")
         lines.append(f"| {p} | {b} | {r['batch_size']} x {r['seq_len']} | {r['step_time_s'] * 1e3:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured_peak']:.1%} | "
-                     f"{_num(mem and mem / 2**30, '.1f')} | ok{' (tiny)' if r.get('tiny') else ''} |")
+                     f"{_num(mem and mem / 2**30, '.1f')} | {r.get('attention', '-')} | ok{' (tiny)' if r.get('tiny') else ''} |")
     return "\n".join(lines)
 
 

@@ -73,10 +73,37 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
         assert MFU_KEYS <= set(result), MFU_KEYS - set(result)
         assert (result["preset"], result["backend"], result["tiny"]) == (preset, backend, True)
         assert np.isfinite(result["final_loss"]) and result["tokens_per_s"] > 0
+        assert result["attention"] == "xla"  # cuDNN is for GPUs
     # The table comes last and shows every run.
     table = proc.stdout[proc.stdout.index("Train step"):]
     assert table.count("ok (tiny)") == len(suite_table.MFU_RUNS)
     assert "| grouped | expert_matmuls |" in proc.stdout
+
+
+def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch):
+    """A cuDNN failure past its trace-time checks costs a re-measurement, not the run; the note says why."""
+    monkeypatch.setattr(transformer, "_attention_implementation", lambda dtype: "cudnn")
+    seen = []
+
+    def fake_timing(cfg, *args):
+        seen.append(transformer._attention_implementation(jnp.bfloat16))
+        if seen[-1] == "cudnn":
+            raise RuntimeError("cuDNN graph failed to build")
+        return {"step_time_s": 1.0}
+
+    monkeypatch.setattr(mfu, "time_train_step", fake_timing)
+    args = mfu.argparse.Namespace(steps=1, warmup=0, windows=1, budget_s=1.0)
+    timing, attention = mfu.timed_with_attention(presets.get("gpu-small"), args)
+    assert seen == ["cudnn", None] and timing == {"step_time_s": 1.0}
+    assert attention["attention"] == "xla" and "cuDNN graph failed" in attention["attention_note"]
+    assert transformer._attention_implementation(jnp.bfloat16) == "cudnn"  # restored afterwards
+
+    def other_failure(cfg, *args):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(mfu, "time_train_step", other_failure)
+    with pytest.raises(MemoryError):
+        mfu.timed_with_attention(presets.get("gpu-small"), args)
 
 
 def test_mfu_arithmetic_comes_from_accounting():
@@ -154,6 +181,17 @@ def test_remat_keeps_the_function(remat):
 def test_attention_uses_the_default_off_gpu():
     assert transformer._attention_implementation(jnp.bfloat16) is None  # this CPU session
     assert transformer._attention_implementation(jnp.float32) is None
+
+
+def test_attention_falls_back_to_xla_with_a_warning_when_cudnn_declines(monkeypatch):
+    """Asked for cuDNN on this CPU machine, the kernel declines at trace time ("cuDNN is not detected");
+    the step still gets XLA's attention, and a warning says why."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, n, 8), jnp.bfloat16) for i, n in enumerate((4, 2, 2)))
+    want = transformer.causal_attention(q, k, v)
+    monkeypatch.setattr(transformer, "_attention_implementation", lambda dtype: "cudnn")
+    with pytest.warns(UserWarning, match="cudnn attention declined"):
+        got = jax.jit(transformer.causal_attention)(q, k, v)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("backend", ["grouped", "capacity", "ep", "dropless"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from moelab.config import ModelConfig
 from moelab.model import moe
 from moelab.model.moe import INIT_STD, EPDispatch, rms_norm
 
-__all__ = ["init", "init_router_bias", "apply", "loss", "attention", "apply_rope"]
+__all__ = ["init", "init_router_bias", "apply", "loss", "attention", "causal_attention", "apply_rope"]
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"}
 
@@ -104,6 +105,30 @@ def _attention_implementation(dtype: jnp.dtype) -> str | None:
     return None
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`jax.nn.dot_product_attention`, causal: cuDNN's fused kernel where `_attention_implementation`
+    picks it, XLA's otherwise.
+
+    cuDNN checks the shapes, the dtype and its own presence when the step is traced. If it declines,
+    the step runs on XLA's attention with a warning naming why, rather than not at all: a run is
+    never lost to a missing kernel, and a benchmark that lost the fused kernel says so.
+
+    Args:
+        q: [B, S, N, H]; k, v: [B, S, K, H] with K dividing N (grouped-query).
+
+    Returns:
+        [B, S, N, H] in q's dtype.
+    """
+    implementation = _attention_implementation(q.dtype)
+    if implementation is not None:
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+            warnings.warn(f"{implementation} attention declined ({type(e).__name__}: {e}); using XLA's attention.",
+                          stacklevel=2)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
     """Causal grouped-query self-attention with RoPE.
 
@@ -126,7 +151,7 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
     # grouping itself, so K and V are never repeated in memory.
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_implementation(q.dtype))
+    o = causal_attention(q, k, v)
     return jnp.einsum("bsh,hd->bsd", o.reshape(B, S, N * H), w["w_o"]).astype(jnp.float32)
 
 
