@@ -155,8 +155,12 @@ def test_layer_tile_variants_parse_and_reject_typos():
     assert moe_layer.parse_variant("128x256x64w8s3") == {"block_m": 128, "block_n": 256, "block_k": 64,
                                                          "num_warps": 8, "num_stages": 3}
     for variant in moe_layer.GROUPED_VARIANTS:  # the defaults divide the benchmark's shape (d 2048, width 1024)
-        tiles = moe_layer.parse_variant(variant)
-        assert 2048 % tiles["block_k"] == 0 and 1024 % tiles["block_n"] == 0 and 1024 % tiles["block_k"] == 0
+        t = moe_layer.parse_variant(variant)
+        assert 2048 % t["block_k"] == 0 and 1024 % t["block_n"] == 0 and 1024 % t["block_k"] == 0
+        # and fit 227 KiB of shared memory: the largest bf16 tiles per pipeline stage (dx: dy + w; dw: x + dy)
+        per_stage = 2 * max(t["block_m"] * t["block_n"] + t["block_k"] * t["block_n"],
+                            t["block_m"] * t["block_k"] + t["block_m"] * t["block_n"])
+        assert per_stage * t["num_stages"] <= 227 * 1024, variant
     with pytest.raises(SystemExit, match="BMxBNxBK"):
         moe_layer.parse_variant("128x128")
 
