@@ -7,8 +7,10 @@
 #   MOELAB_SUITE_TINY=1 benchmarks/gpu_suite.sh OUTDIR  # CPU-sized shapes, same logic (also the default without a GPU)
 #
 # Writes OUTDIR/matmul.json, OUTDIR/moe_layer.json and OUTDIR/mfu_PRESET_BACKEND.json (one per run; a run
-# that times out or crashes still gets a file, with "status" saying so), then prints the table
-# (benchmarks/suite_table.py OUTDIR). Python: $MOELAB_PYTHON, else python3, with src/ on PYTHONPATH.
+# that times out or crashes still gets a file, with "status" saying so), then prints the tables and
+# issue 9's targets and writes OUTDIR/record.json (benchmarks/suite_table.py OUTDIR --record ...), the
+# file to commit as benchmarks/results/<device>-<date>.json. Set MOELAB_COMMIT where the tree has no .git.
+# Python: $MOELAB_PYTHON, else python3, with src/ on PYTHONPATH.
 # Compiled programs are cached in $MOELAB_JAX_CACHE (default /tmp/moelab_jax_cache), so a rerun compiles less.
 set -u
 OUT=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
@@ -75,4 +77,4 @@ else
         --steps 5 --windows 3 --warmup 2 --budget-s 15 --json
   done
 fi
-"$PY" "$HERE/suite_table.py" "$OUT"
+"$PY" "$HERE/suite_table.py" "$OUT" --record "$OUT/record.json"

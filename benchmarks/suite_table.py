@@ -1,21 +1,34 @@
-"""Renders a `gpu_suite.sh` output folder as Markdown tables.
+"""Renders a `gpu_suite.sh` output folder as Markdown tables, checks issue 9's targets, records it.
 
     python benchmarks/suite_table.py OUTDIR
+    python benchmarks/suite_table.py OUTDIR --record benchmarks/results/h200-2026-12-01.json
 
 Reads OUTDIR/matmul.json, OUTDIR/moe_layer.json and every OUTDIR/mfu_*.json; a run that failed shows
 its status instead of numbers. `EXPECTED_FILES` is the list of files a complete suite writes.
+`--record` writes one JSON with the commit ($MOELAB_COMMIT, else `git rev-parse HEAD`), the JAX
+version, every run's figures and the targets' verdicts: the file to commit under benchmarks/results.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
 import json
-import sys
+import os
+import subprocess
 from pathlib import Path
 
 MOE_PRESETS = ("gpu-small", "gpu-medium")
 MOE_BACKENDS = ("capacity", "grouped", "ep", "dropless")
 MFU_RUNS = tuple((p, b) for p in MOE_PRESETS for b in MOE_BACKENDS) + tuple((f"{p}-dense", "dense") for p in MOE_PRESETS)
 EXPECTED_FILES = ("matmul.json", "moe_layer.json", *(f"mfu_{p}_{b}.json" for p, b in MFU_RUNS))
+
+
+# Issue 9's bars: the MoE layer 1.15x torchtitan's compiled 409 TFLOP/s, gpu-medium's step at 45% MFU
+# of the datasheet peak, and MoE tokens/s at least 0.85x the equal-FLOP dense model's.
+LAYER_TARGET_TFLOPS = 470.0
+MFU_TARGET = 0.45
+DENSE_RATIO_TARGET = 0.85
 
 
 def _load(path: Path) -> dict:
@@ -91,10 +104,72 @@ def render(out: Path) -> str:
     return "\n".join(lines)
 
 
+def _best(runs: dict[str, dict], key: str) -> tuple[str | None, float | None]:
+    """The run with the largest `key` among those that finished: (name, value)."""
+    ok = {name: r[key] for name, r in runs.items() if r.get("status") == "ok" and r.get(key) is not None}
+    if not ok:
+        return None, None
+    name = max(ok, key=ok.get)
+    return name, ok[name]
+
+
+def targets(out: Path) -> list[dict]:
+    """Issue 9's three bars, each with the best measured figure, the run it came from and a verdict:
+    "met", "missed", "not measured" when no run of that kind finished, or "n/a (no GPU)" for the
+    tiny CPU shapes, whose figures say nothing about the bars."""
+    on_gpu = _load(out / "matmul.json").get("platform") == "gpu"
+    layer_runs = _load(out / "moe_layer.json").get("backends", {})
+    mfu = {b: _load(out / f"mfu_gpu-medium_{b}.json") for b in MOE_BACKENDS}
+    checks = [("MoE layer useful TFLOP/s", LAYER_TARGET_TFLOPS, *_best(layer_runs, "useful_tflops_per_s")),
+              ("gpu-medium MFU (989 TFLOP/s)", MFU_TARGET, *_best(mfu, "mfu_datasheet"))]
+    for preset in MOE_PRESETS:
+        dense = _load(out / f"mfu_{preset}-dense_dense.json")
+        name, best = _best({b: _load(out / f"mfu_{preset}_{b}.json") for b in MOE_BACKENDS}, "tokens_per_s")
+        ratio = best / dense["tokens_per_s"] if best and dense.get("status") == "ok" else None
+        checks.append((f"{preset} MoE / dense tokens/s", DENSE_RATIO_TARGET, name, ratio))
+    return [{"target": what, "bar": bar, "best_run": run, "value": value,
+             "verdict": "n/a (no GPU)" if not on_gpu else "not measured" if value is None
+             else "met" if value >= bar else "missed"}
+            for what, bar, run, value in checks]
+
+
+def render_targets(out: Path) -> str:
+    lines = ["Issue 9's targets:", "", "| target | bar | best | run | verdict |", "|---|---|---|---|---|"]
+    for t in targets(out):
+        fmt = ".1f" if t["bar"] > 1 else ".1%" if "MFU" in t["target"] else ".2f"
+        lines.append(f"| {t['target']} | {format(t['bar'], fmt)} | {_num(t['value'], fmt)} | {t['best_run'] or '-'} | "
+                     f"{t['verdict']} |")
+    return "\n".join(lines)
+
+
+def _commit() -> str | None:
+    if os.environ.get("MOELAB_COMMIT"):
+        return os.environ["MOELAB_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None  # a copy of the tree without .git (the device machine): set MOELAB_COMMIT
+
+
+def record(out: Path) -> dict:
+    """Everything the suite measured, with provenance: what to commit as benchmarks/results/<device>-<date>.json."""
+    matmul = _load(out / "matmul.json")
+    return {"commit": _commit(), "date": dt.date.today().isoformat(), "device": matmul.get("device"),
+            "jax": matmul.get("jax"), "matmul": matmul, "moe_layer": _load(out / "moe_layer.json"),
+            "mfu": {f"{p}:{b}": _load(out / f"mfu_{p}_{b}.json") for p, b in MFU_RUNS}, "targets": targets(out)}
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/suite_table.py OUTDIR")
-    print(render(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--record", type=Path, default=None, help="also write the results record here")
+    args = parser.parse_args()
+    if not args.outdir.is_dir():
+        raise SystemExit(f"{args.outdir} is not a folder; pass the OUTDIR gpu_suite.sh wrote into.")
+    print(render(args.outdir) + "\n\n" + render_targets(args.outdir))
+    if args.record:
+        args.record.write_text(json.dumps(record(args.outdir), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,10 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     table = proc.stdout[proc.stdout.index("Train step"):]
     assert table.count("ok (tiny)") == len(suite_table.MFU_RUNS)
     assert "| grouped | expert_matmuls |" in proc.stdout
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["jax"] == jax.__version__ and len(record["commit"] or "") == 40
+    assert set(record["mfu"]) == {f"{p}:{b}" for p, b in suite_table.MFU_RUNS}
+    assert [t["verdict"] for t in record["targets"]] == ["n/a (no GPU)"] * 4
 
 
 def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch):
@@ -104,6 +108,35 @@ def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch
     monkeypatch.setattr(mfu, "time_train_step", other_failure)
     with pytest.raises(MemoryError):
         mfu.timed_with_attention(presets.get("gpu-small"), args)
+
+
+def _fake_suite(out: Path, layer_tflops: float, mfu_by_backend: dict, tokens_per_s: dict) -> None:
+    (out / "matmul.json").write_text(json.dumps({"status": "ok", "platform": "gpu"}))
+    (out / "moe_layer.json").write_text(json.dumps({"backends": {
+        "capacity": {"status": "ok", "useful_tflops_per_s": layer_tflops},
+        "dropless": {"status": "error", "error": "out of memory"}}}))
+    for preset in suite_table.MOE_PRESETS:
+        for backend, value in mfu_by_backend.items():
+            (out / f"mfu_{preset}_{backend}.json").write_text(json.dumps(
+                {"status": "ok", "mfu_datasheet": value, "tokens_per_s": tokens_per_s[backend]}))
+        (out / f"mfu_{preset}-dense_dense.json").write_text(json.dumps({"status": "ok", "tokens_per_s": 1000.0}))
+
+
+def test_targets_take_the_best_finished_run_and_judge_it_against_each_bar(tmp_path):
+    _fake_suite(tmp_path, 480.0, {"capacity": 0.40, "grouped": 0.46}, {"capacity": 800.0, "grouped": 900.0})
+    got = {t["target"]: (t["best_run"], t["value"], t["verdict"]) for t in suite_table.targets(tmp_path)}
+    assert got["MoE layer useful TFLOP/s"] == ("capacity", 480.0, "met")
+    assert got["gpu-medium MFU (989 TFLOP/s)"] == ("grouped", 0.46, "met")
+    assert got["gpu-medium MoE / dense tokens/s"] == ("grouped", 0.9, "met")
+    _fake_suite(tmp_path, 400.0, {"capacity": 0.30}, {"capacity": 800.0})
+    (tmp_path / "mfu_gpu-medium_grouped.json").write_text(json.dumps({"status": "timeout"}))
+    got = {t["target"]: (t["best_run"], t["value"], t["verdict"]) for t in suite_table.targets(tmp_path)}
+    assert got["MoE layer useful TFLOP/s"][2] == "missed"
+    assert got["gpu-medium MFU (989 TFLOP/s)"] == ("capacity", 0.30, "missed")
+    assert got["gpu-small MoE / dense tokens/s"] == ("grouped", 0.9, "met")  # gpu-small's grouped file is still there
+    assert got["gpu-medium MoE / dense tokens/s"] == ("capacity", 0.8, "missed")
+    (tmp_path / "moe_layer.json").unlink()
+    assert suite_table.targets(tmp_path)[0]["verdict"] == "not measured"
 
 
 def test_mfu_arithmetic_comes_from_accounting():
