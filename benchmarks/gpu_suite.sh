@@ -42,7 +42,7 @@ if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
   for p in $MOE_PRESETS; do for b in $BACKENDS; do RUNS+=(--run "$p:$b"); done; done
   for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense"); done
   "$PY" "$HERE/moe_layer.py" --tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 \
-      --grouped-variants 16x32x16w4s3 --breakdown --out "$OUT/moe_layer.json" --json > "$OUT/moe_layer.log" 2>&1 &
+      --grouped-variants 16x32x16w4s3 --breakdown --check --out "$OUT/moe_layer.json" --json > "$OUT/moe_layer.log" 2>&1 &
   LAYER=$!
   "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1
   "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --out-dir "$OUT" --json > "$OUT/mfu.log" 2>&1
@@ -64,7 +64,7 @@ else
   }
   run 60 "$OUT/matmul.json" matmul "$PY" "$HERE/mfu.py" --matmul-only --out-dir "$OUT" --json
   run 180 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,grouped,ep,dropless \
-      --grouped-variants default --breakdown --budget-s 3 --out "$OUT/moe_layer.json" --json
+      --grouped-variants default --breakdown --check --budget-s 3 --out "$OUT/moe_layer.json" --json
   # The figures first (gpu-medium's MFU, MoE against dense), fast paths before slow ones, so a
   # tight budget cuts only the slow backends.
   ORDER=()

@@ -21,6 +21,10 @@ Where the time goes, without a profiler:
   and the expert matmuls alone on ready-made buffers; plus the ideal batched matmul (every expert
   exactly its fair share of rows, one cuBLAS batched GEMM per matmul), the ceiling for any
   sort-and-buffer layer on this device.
+- `--check`: before any timing, `grouped` (its compiled Triton kernels, on a GPU) against `capacity`
+  with room for every row, output and gradients in bf16, as relative errors |a - b| / |b| (2-norms);
+  bf16 operands land between 1e-3 and 1e-2, a wrong kernel at order 1. A speed is only worth
+  reporting for a kernel that computes the right function.
 """
 
 from __future__ import annotations
@@ -187,6 +191,31 @@ def _ideal_batched_matmul(args, flops: int) -> dict:
     return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12}
 
 
+def check_grouped(args) -> dict:
+    """Relative errors of `grouped` against drop-free `capacity`: output, input gradient, expert gradients."""
+    results = {}
+    for backend in ("grouped", "capacity"):
+        # capacity_factor E / k gives C = T rows per expert: nothing can drop.
+        cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.experts / args.topk)
+        params, x, cot = _inputs(cfg, args.tokens)
+        bias = jnp.zeros((args.experts,), jnp.float32)
+
+        def loss(params, x, cfg=cfg, cot=cot, bias=bias):
+            y, _ = moe.apply(params, x, bias, cfg, jnp.bfloat16)
+            return jnp.sum(y * cot), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+        results[backend] = {"out": y, "d_x": grads[1], **{f"d_{n}": grads[0][n] for n in ("w_gate", "w_up", "w_down")}}
+
+    def rel(a, b):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+    errors = {name: rel(results["grouped"][name], results["capacity"][name]) for name in results["grouped"]}
+    return {"relative_errors": errors, "max_relative_error": max(errors.values()),
+            "passed": max(errors.values()) < 2e-2}
+
+
 def _peak_memory() -> int | None:
     stats = jax.devices()[0].memory_stats()
     return stats.get("peak_bytes_in_use") if stats else None
@@ -217,6 +246,7 @@ def main() -> None:
     parser.add_argument("--grouped-variants", default="",
                         help=f"comma-separated gmm tiles for extra `grouped` runs, or 'default' ({','.join(GROUPED_VARIANTS)})")
     parser.add_argument("--breakdown", action="store_true", help="also time the parts of capacity and grouped")
+    parser.add_argument("--check", action="store_true", help="first check grouped against drop-free capacity")
     parser.add_argument("--iters", type=int, default=10, help="calls per timed window (3 windows)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="cap on each timing's seconds")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
@@ -241,6 +271,9 @@ def main() -> None:
         timing = time_backend(cfg, args.tokens, args.iters, args.budget_s, backend_fn)
         return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12, "peak_memory_bytes": _peak_memory()}
 
+    if args.check:
+        result["check"] = _guarded(functools.partial(check_grouped, args))
+        save("running")
     for backend in args.backends.split(","):
         result["backends"][backend] = _guarded(functools.partial(timed_layer, backend))
         save("running")
@@ -255,7 +288,8 @@ def main() -> None:
             result["breakdown"][backend] = _guarded(lambda b=backend: {"parts": breakdown(b, args, flops)})
             save("running")
     runs = [*result["backends"].values(), *result.get("breakdown", {}).values()]
-    result["status"] = "ok" if all(r["status"] == "ok" for r in runs) else "error"
+    checked = result.get("check", {"passed": True})
+    result["status"] = "ok" if all(r["status"] == "ok" for r in runs) and checked.get("passed") else "error"
     save(result["status"])
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 

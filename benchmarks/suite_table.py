@@ -87,6 +87,12 @@ def render(out: Path) -> str:
                      f"{_num(mem and mem / 2**30, '.1f')} | {r.get('status')} |")
     if "backends" not in layer:
         lines.append(f"| - | - | - | - | - | {layer.get('status')} |")
+    check = layer.get("check")
+    if check:
+        lines += ["", f"grouped against drop-free capacity (bf16 output and gradients): max relative error "
+                      f"{_num(check.get('max_relative_error'), '.1e')}, "
+                      f"{'passed' if check.get('passed') else 'FAILED: its speeds measure a wrong kernel'}"
+                      f"{'' if check.get('status') == 'ok' else ' (' + str(check.get('error', ''))[:80] + ')'}"]
     lines += _breakdown(layer)
     lines += ["", "Train step (median after warm-up):", "",
               "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | peak GiB | attention "

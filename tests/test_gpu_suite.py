@@ -62,6 +62,8 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     assert set(layer["backends"]) == {"capacity", "grouped", "dropless", "ep", "grouped[16x32x16w4s3]"}
     for backend in layer["backends"].values():
         assert LAYER_KEYS <= set(backend)
+    assert layer["check"]["passed"] and layer["check"]["max_relative_error"] < 1e-3  # float32 accumulation
+    assert "max relative error" in proc.stdout
     breakdown = layer["breakdown"]
     assert breakdown["ideal_batched_matmul"]["useful_tflops_per_s"] > 0
     for backend in moe_layer.BREAKDOWN_BACKENDS:
