@@ -1,10 +1,12 @@
 """The executor: completed steps are skipped, a changed versioned field re-runs exactly what lies downstream,
---dry-run predicts what runs, crashes never pass for success, and Ray runs the same DAG."""
+--dry-run predicts what runs, crashes never pass for success, a preempted step resumes in place, and Ray runs
+the same DAG."""
 
 import fcntl
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,8 +19,8 @@ import yaml
 
 from helpers import run_cli
 
-from moelab.config import ConfigError
-from moelab.lab.executor import FAILED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
+from moelab.config import ConfigError, Preempted
+from moelab.lab.executor import FAILED, PREEMPTED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
 from moelab.lab.ledger import append, open_ledger, records, verify
 
 STEP_FILES = {"STATUS", "step.json"}  # what the executor writes before the step function starts
@@ -127,6 +129,55 @@ def test_a_step_that_crashes_is_left_failed_and_its_partial_output_is_not_reused
     assert read_status(aside) == FAILED and (aside / "value.txt").exists(), "the failed attempt is kept aside"
 
 
+def preemptible(ctx):
+    """A step that is preempted at step 3 of its first run, after saving a "checkpoint" that its next run reads.
+
+    Like `train`, it continues from what it finds in its directory; it fails if that is not its own checkpoint.
+    """
+    with open(ctx.config["log"], "a") as f:
+        f.write(ctx.name + "\n")
+    checkpoint = ctx.output_dir / "checkpoint.txt"
+    if not checkpoint.exists():
+        checkpoint.write_text("3")
+        raise Preempted(3, checkpoint)
+    value = f"{ctx.name}(resumed from {checkpoint.read_text()})"
+    (ctx.output_dir / "value.txt").write_text(value)
+    return {"value": value}
+
+
+def with_preemptible_b(log):
+    """a -> b -> c and a -> d, where b is `preemptible`."""
+    a, b, c, d = diamond(log)
+    return [a, Step("b", preemptible, b.config, b.deps), c, d]
+
+
+def test_a_preempted_step_blocks_downstream_then_resumes_in_its_own_directory(tmp_path):
+    log, root, events = tmp_path / "log", tmp_path / "root", []
+    outcomes = {o.name: o for o in execute(with_preemptible_b(log), root, on_event=events.append)}
+    assert ran(log) == ["a", "b", "d"], "c depends on b and must not start"
+    b = outcomes["b"]
+    assert (b.action, b.status, b.preempted_at) == ("ran", PREEMPTED, 3) and "stopped at step 3" in b.error
+    assert (outcomes["c"].action, outcomes["c"].status) == ("blocked", None)
+    assert read_status(b.output_dir) == PREEMPTED and (b.output_dir / "checkpoint.txt").read_text() == "3"
+    [stop] = [e for e in events if e["step"] == "b" and e["event"] != "started"]
+    assert (stop["event"], stop["status"], stop["preempted_at"]) == ("preempted", PREEMPTED, 3)
+    assert stop["checkpoint"] == str(b.output_dir / "checkpoint.txt"), "the event says where the checkpoint is"
+
+    planned = {p.name: p for p in plan(with_preemptible_b(log), root)}
+    assert (planned["b"].action, planned["c"].action) == ("resume", "run")
+    assert "preempted at step 3" in planned["b"].reason and "FAILED" not in planned["b"].reason
+    events.clear()
+    outcomes = {o.name: o for o in execute(with_preemptible_b(log), root, on_event=events.append)}
+    assert ran(log) == ["b", "c"]
+    assert outcomes["b"].output_dir == b.output_dir and read_status(b.output_dir) == SUCCESS
+    assert outcomes["b"].result == {"value": "b(resumed from 3)"}, "b continued from its own checkpoint"
+    assert outcomes["c"].result == {"value": "c1(b(resumed from 3))"}
+    assert not list(root.glob("b-*.failed-*")), "a preempted step's directory is never moved aside"
+    started = next(e for e in events if e["step"] == "b" and e["event"] == "started")
+    assert started["resumed_at"] == 3 and started["moved_aside"] is None
+    assert json.loads((b.output_dir / "step.json").read_text())["preemptions"] == [3]
+
+
 KILLED_STEP = """
 import os, sys
 from moelab.lab.executor import Step, execute, versioned
@@ -231,6 +282,57 @@ def test_lab_run_trains_a_registered_config_and_puts_every_step_on_the_ledger(tm
     assert run_cli(["lab", "verify", *lab], monkeypatch, capsys)[0] == 0
 
 
+def test_lab_run_stopped_by_ctrl_c_exits_75_and_the_next_lab_run_resumes_from_the_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """Ctrl-C reaches `train` as SIGINT: it saves and raises Preempted, which `lab run` records as PREEMPTED."""
+    from moelab.lab import tracking  # imports JAX
+
+    monkeypatch.chdir(tmp_path)
+    spec = {
+        "id": "tiny-ctrl-c", "title": "Ctrl-C, then resume", "question": "Does a stopped lab run resume?",
+        "hypothesis": "It finishes.", "owner": "tests",
+        "prediction": {"metric": "loss", "band": [None, 10.0], "decision_rule": "The run finishes below 10."},
+        "config": {"preset": "tiny", "overrides": {
+            "train.steps": 3, "train.batch_size": 2, "train.eval_batches": 1, "train.warmup_steps": 1,
+            "train.log_every": 1, "model.seq_len": 16, "data.max_bytes_per_domain": 50_000}},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    lab = ["--ledger", str(tmp_path / "ledger.sqlite")]
+    assert run_cli(["lab", "register", "spec.yaml", *lab], monkeypatch, capsys)[0] == 0
+    publish, pressed = tracking.LedgerSink.log, []
+
+    def log_then_press_ctrl_c(sink, record):  # once, at step 1: a deterministic point inside the loop
+        publish(sink, record)
+        if not pressed:
+            pressed.append(record["step"])
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(tracking.LedgerSink, "log", log_then_press_ctrl_c)
+    code, out, err = run_cli(["lab", "run", "tiny-ctrl-c", "--json", *lab], monkeypatch, capsys)
+    [outcome] = json.loads(out)
+    assert code == 75 and pressed == [1], err
+    assert (outcome["status"], outcome["preempted_at"]) == (PREEMPTED, 1)
+    assert "Preempted: train at step 1" in err and f"Rerun `moelab lab run tiny-ctrl-c --json {lab[0]} {lab[1]}`" in err
+    run_dir = Path(outcome["output_dir"])
+    assert read_status(run_dir) == PREEMPTED and (run_dir / "checkpoints" / "1").is_dir()
+
+    code, out, _ = run_cli(["lab", "run", "tiny-ctrl-c", "--dry-run", "--json", *lab], monkeypatch, capsys)
+    [planned] = json.loads(out)
+    assert code == 0 and planned["action"] == "resume" and "preempted at step 1" in planned["reason"]
+    code, out, err = run_cli(["lab", "run", "tiny-ctrl-c", "--json", *lab], monkeypatch, capsys)
+    [outcome] = json.loads(out)
+    assert code == 0 and outcome["status"] == SUCCESS and outcome["output_dir"] == str(run_dir), err
+    assert (outcome["result"]["resumed_from"], outcome["result"]["step"]) == (1, 3), "resumed, not restarted"
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert not list(run_dir.parent.glob("*.failed-*"))
+
+    code, out, _ = run_cli(["lab", "show", "tiny-ctrl-c", "--json", *lab], monkeypatch, capsys)
+    runs = [r["body"] for r in json.loads(out)["runs"]]
+    assert [r["event"] for r in runs] == ["started", "preempted", "started", "finished"]
+    assert runs[1]["preempted_at"] == 1 and str(run_dir / "checkpoints") in runs[1]["message"]
+    assert runs[2]["resumed_at"] == 1
+
+
 def test_lab_run_rejects_an_unknown_backend_with_exit_2(tmp_path, monkeypatch, capsys):
     code, _, err = run_cli(["lab", "run", "x", "--backend", "slurm", "--ledger", str(tmp_path / "l.sqlite")],
                            monkeypatch, capsys)
@@ -297,3 +399,15 @@ def test_a_ray_worker_that_dies_inside_a_step_leaves_it_failed(ray_cluster, tmp_
     assert outcomes["a"].status == FAILED and "worker lost" in outcomes["a"].error
     assert read_status(outcomes["a"].output_dir) == FAILED
     assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == []
+
+
+def test_a_preempted_step_on_ray_blocks_what_depends_on_it_and_resumes_in_place(ray_cluster, tmp_path):
+    log, root = tmp_path / "log", tmp_path / "root"
+    steps = with_preemptible_b(log)[:3]  # a -> b -> c
+    outcomes = {o.name: o for o in execute(steps, root, backend="ray")}
+    assert (outcomes["b"].status, outcomes["b"].preempted_at) == (PREEMPTED, 3)
+    assert read_status(outcomes["b"].output_dir) == PREEMPTED
+    assert outcomes["c"].action == "blocked" and ran(log) == ["a", "b"]
+    outcomes = {o.name: o for o in execute(steps, root, backend="ray")}
+    assert outcomes["b"].result == {"value": "b(resumed from 3)"} and outcomes["c"].status == SUCCESS
+    assert ran(log) == ["b", "c"] and not list(root.glob("b-*.failed-*"))

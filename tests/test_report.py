@@ -16,6 +16,7 @@ import pytest
 import yaml
 from helpers import run_cli
 
+from moelab.lab.ledger import append, open_ledger, records
 from moelab.lab.registry import Prediction
 from moelab.lab.report import (
     CONFIRMED,
@@ -148,6 +149,7 @@ def test_report_sections_and_confirmed_verdict(lab, tmp_path, monkeypatch, capsy
     assert "No samples" in section(page, "samples")
     repro = section(page, "reproducibility")
     assert "moelab lab run rep-tiny" in repro and "config.yaml" in repro
+    assert "never (one uninterrupted run)" in repro
     assert (out / "loss_curve.png").is_file() and "![loss_curve](loss_curve.png)" in md
 
     # the default directory: the run's own, with whatever the loop wrote (a mixture log, once it does)
@@ -212,6 +214,37 @@ def test_bad_input_exits_2(lab, tmp_path, monkeypatch, capsys):
     assert code == 0, err
     code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(fresh)], monkeypatch, capsys)
     assert code == 2 and "no finished run" in err and "moelab lab run rep-tiny" in err
+
+
+def test_a_run_preempted_and_resumed_in_place_names_each_stop_under_reproducibility(lab, tmp_path, monkeypatch,
+                                                                                   capsys):
+    ledger, _, _ = lab
+    ledger_copy = tmp_path / "ledger.sqlite"  # keep the module's ledger as run for the other tests
+    shutil.copy(ledger, ledger_copy)
+    book = open_ledger(ledger_copy)
+    [finished] = [r.body for r in records(book, kind="run") if r.body["event"] == "finished"]
+    # What the executor records for a run stopped at step 4 and then resumed in the same directory.
+    stop = append(book, "run", "rep-tiny", {**finished, "event": "preempted", "status": "PREEMPTED", "preempted_at": 4})
+    append(book, "run", "rep-tiny", {**finished, "event": "started", "status": "RUNNING", "resumed_at": 4})
+    append(book, "run", "rep-tiny", finished)
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger_copy), "--out", str(tmp_path / "r")],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    repro = section((tmp_path / "r" / "report.html").read_text(), "reproducibility")
+    assert f"step 4 (ledger record {stop.seq})" in repro and "never" not in repro
+
+
+def test_the_report_of_a_run_still_preempted_exits_2_saying_how_to_resume_it(lab, tmp_path, monkeypatch, capsys):
+    _, spec_path, root = lab
+    fresh = tmp_path / "fresh.sqlite"
+    code, _, err = run_cli(["lab", "register", str(spec_path), "--ledger", str(fresh)], monkeypatch, capsys)
+    assert code == 0, err
+    event = {"step": "train", "output_dir": str(next((root / "rep-tiny").glob("train-*")))}
+    append(open_ledger(fresh), "run", "rep-tiny", {**event, "event": "started", "status": "RUNNING"})
+    append(open_ledger(fresh), "run", "rep-tiny", {**event, "event": "preempted", "status": "PREEMPTED",
+                                                   "preempted_at": 4})
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(fresh)], monkeypatch, capsys)
+    assert code == 2 and "preempted at step 4" in err and "resume it with `moelab lab run rep-tiny`" in err
 
 
 def test_html_loads_in_headless_chromium(lab, tmp_path, monkeypatch, capsys):

@@ -19,6 +19,8 @@ __all__ = ["out_console", "err_console", "PresetOpt", "ConfigArg", "SetOpt", "Js
 out_console = Console(width=None if sys.stdout.isatty() else 160)  # results
 err_console = Console(stderr=True)  # progress, warnings, errors
 
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; rerun the same command to resume
+
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="A named config, e.g. tiny (see `moelab presets`).")]
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="A run config YAML (instead of --preset).", show_default=False)]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a field, e.g. --set model.d_model=256 (repeatable).")]

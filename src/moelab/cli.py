@@ -22,7 +22,8 @@ import typer
 from rich.table import Table
 
 from moelab import accounting, presets
-from moelab._cli_utils import ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
+from moelab._cli_utils import (EXIT_PREEMPTED, ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console,
+                               resolve_config)
 from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yaml
 from moelab.lab.cli import lab_app
 from moelab.ladder.cli import ladder_app
@@ -30,9 +31,6 @@ from moelab.ladder.cli import ladder_app
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
 app.add_typer(lab_app, name="lab")
 app.add_typer(ladder_app, name="ladder")
-
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; rerun the same command to resume
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

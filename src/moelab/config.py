@@ -55,6 +55,7 @@ class Preempted(Exception):
     def __init__(self, step: int, path: Path):
         super().__init__(f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume.")
         self.step = step
+        self.path = Path(path)
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

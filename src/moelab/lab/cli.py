@@ -3,31 +3,36 @@
     moelab lab register experiments/demo-spec.yaml --markdown     # paste the Markdown into the issue
     moelab lab show demo-tiny
     moelab lab amend demo-tiny experiments/demo-spec.yaml --reason "600 steps: 300 ended mid-decay"
-    moelab lab run demo-tiny --dry-run                            # what would run, wait or skip
+    moelab lab run demo-tiny --dry-run                            # what would run, resume, wait or skip
     moelab lab run demo-tiny --backend ray                        # RAY_ADDRESS joins a cluster
     moelab lab verify                                             # recompute the hash chain
     moelab lab report demo-tiny                                   # HTML + Markdown report of the run
 
 Every command takes --ledger PATH (default: $MOELAB_LEDGER, else lab/ledger.sqlite). Exit codes:
 0 success; 1 a step failed or the chain is broken; 2 bad input (an invalid or edited spec, an unknown
-id, a file that is not a ledger).
+id, a file that is not a ledger); 75 a training step was preempted (SIGTERM / SIGINT) after saving a
+checkpoint: rerun the same `moelab lab run` to resume it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.table import Table
 
+from moelab._cli_utils import EXIT_PREEMPTED
 from moelab.config import ConfigError
 from moelab.lab import registry
-from moelab.lab.executor import BACKENDS, FAILED, SUCCESS, plan_experiment, run_experiment
+from moelab.lab.executor import BACKENDS, FAILED, PREEMPTED, SUCCESS, plan_experiment, run_experiment
 from moelab.lab.ledger import Record, open_ledger, verify as verify_chain
 from moelab.lab.report import write_report
 
@@ -142,8 +147,8 @@ def run(
     root: Annotated[Path, typer.Option("--root", help="Step outputs go to ROOT/ID/<step>-<hash8>.")] = Path("runs/lab"),
     backend: Annotated[str, typer.Option("--backend", help="local, or ray (joins RAY_ADDRESS if set, else "
                                                           "starts a local cluster).")] = "local",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run, wait or skip; run "
-                                                          "nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run, resume, wait or skip; "
+                                                          "run nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Execute a registered experiment's DAG; refused if its spec file was edited without an amendment."""
@@ -162,7 +167,7 @@ def run(
             table.add_row(p.name, p.action, str(p.output_dir), p.reason)
         out_console.print(table)
         return
-    todo = [p.name for p in planned if p.action != "skip"]
+    todo = [f"{p.name} (resume)" if p.action == "resume" else p.name for p in planned if p.action != "skip"]
     err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
                       highlight=False)
     outcomes = run_experiment(book, exp_id, root, spec, backend)
@@ -172,7 +177,11 @@ def run(
 
 
 def show_outcomes(exp_id: str, outcomes: list, table: bool = True) -> None:
-    """Print a DAG's step outcomes; exit 1 naming the failed steps if any step did not succeed."""
+    """Print a DAG's step outcomes; exit 1 naming the failed steps if any step did not succeed.
+
+    Preempted steps (and no failed one) exit 75 instead, like `moelab train`: rerunning the same
+    command (`moelab lab run` or `moelab demo`) resumes them.
+    """
     if table:
         rows = Table("step", "outcome", "status", title=exp_id)
         rows.add_column("directory", overflow="fold")
@@ -180,11 +189,20 @@ def show_outcomes(exp_id: str, outcomes: list, table: bool = True) -> None:
         for o in outcomes:
             rows.add_row(o.name, o.action, o.status or "-", str(o.output_dir), o.error or "")
         out_console.print(rows)
-    if any(o.status != SUCCESS for o in outcomes):
-        failed = [o.name for o in outcomes if o.status == FAILED]
-        err_console.print(f"[bold red]Failed:[/] {', '.join(failed) or 'blocked steps'}; see step.json in its "
-                          f"directory and `moelab lab show {exp_id}`.", highlight=False)
-        raise typer.Exit(1)
+    if all(o.status == SUCCESS for o in outcomes):
+        return
+    failed = [o.name for o in outcomes if o.status == FAILED]
+    preempted = [o for o in outcomes if o.status == PREEMPTED]
+    stopped = ", ".join(f"{o.name} at step {o.preempted_at}" for o in preempted)
+    if preempted and not failed:  # nothing is lost: the same command picks up where each one stopped
+        rerun = escape(shlex.join(["moelab", *sys.argv[1:]]))  # a path in it may hold [brackets]
+        err_console.print(f"[bold yellow]Preempted:[/] {stopped}, after saving a checkpoint. Rerun `{rerun}` to "
+                          "resume in place; the steps downstream run then.", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_PREEMPTED)
+    also = f" Preempted (resumes on the next run): {stopped}." if preempted else ""
+    err_console.print(f"[bold red]Failed:[/] {', '.join(failed) or 'blocked steps'}; see step.json in its "
+                      f"directory and `moelab lab show {exp_id}`.{also}", highlight=False)
+    raise typer.Exit(1)
 
 
 @lab_app.command()

@@ -5,7 +5,7 @@
         Step("data", make_data, {"seed": versioned(0)}),
         Step("train", train_model, {"lr": versioned(3e-3), "log_every": 10}, deps=("data",)),
     ]
-    plan(steps, "runs/lab/x")      # what would run, wait or skip
+    plan(steps, "runs/lab/x")      # what would run, resume, wait or skip
     execute(steps, "runs/lab/x")   # run what is not done yet, in dependency order
 
 A step's *version* is the SHA-256 of its name, its versioned config fields (those wrapped in
@@ -15,12 +15,20 @@ rest are skipped. Fields not wrapped (log cadence, paths of scratch files) may c
 is the executor of Marin (marin-community/marin, `marin/execution/executor.py`) cut down to what
 the lab needs.
 
-Each step directory holds `STATUS` (RUNNING, SUCCESS or FAILED, written atomically), `step.json`
-(version, config, dependencies, host, times, the traceback of a failure) and `result.json` (the
-step function's return value, when it has one). A lock (ROOT/.locks/<dir>.lock, `flock`) makes one
-process run a step while others wait for it. A step that crashes is left FAILED (or RUNNING with
-no process holding its lock, after a hard kill), never SUCCESS; before it runs again its partial
-output is moved aside to <dir>.failed-<UTC time>, so nothing half-written is reused or lost.
+Each step directory holds `STATUS` (RUNNING, SUCCESS, FAILED or PREEMPTED, written atomically),
+`step.json` (version, config, dependencies, host, times, the traceback of a failure) and
+`result.json` (the step function's return value, when it has one). A lock
+(ROOT/.locks/<dir>.lock, `flock`) makes one process run a step while others wait for it. A step
+that crashes is left FAILED (or RUNNING with no process holding its lock, after a hard kill), never
+SUCCESS; before it runs again its partial output is moved aside to <dir>.failed-<UTC time>, so
+nothing half-written is reused or lost. A KeyboardInterrupt that reaches the executor counts as a
+crash (recorded, then re-raised); `train` turns Ctrl-C inside its loop into `Preempted` instead.
+
+A step function that raises `moelab.config.Preempted` (as `train` does on SIGTERM / SIGINT, after
+saving a checkpoint) is left PREEMPTED instead: by raising it the function says that its directory
+holds a consistent state to continue from. The next `execute` runs it again *in place*, in the same
+directory, and `train` resumes from its newest checkpoint there. Steps downstream wait, as for a
+failure.
 
 Backends: `local` runs the steps one after another in this process; `ray` submits each as a Ray
 task whose arguments are its dependencies' results, so Ray runs independent steps in parallel.
@@ -47,15 +55,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from moelab.config import ConfigError, RunConfig, from_dict, load_yaml, to_dict
+from moelab.config import ConfigError, Preempted, RunConfig, from_dict, load_yaml, to_dict
 from moelab.lab.ledger import Ledger, append, canonical_json
 from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
 
-__all__ = ["RUNNING", "SUCCESS", "FAILED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
+__all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
            "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan", "execute",
            "training_step", "run_training", "experiment_steps", "plan_experiment", "run_experiment"]
 
-RUNNING, SUCCESS, FAILED = "RUNNING", "SUCCESS", "FAILED"
+RUNNING, SUCCESS, FAILED, PREEMPTED = "RUNNING", "SUCCESS", "FAILED", "PREEMPTED"
 BACKENDS = ("local", "ray")
 LADDER_BOOTSTRAP = 200  # bootstrap refits over whole rungs behind the predicted bands
 STATUS_FILE, INFO_FILE, RESULT_FILE = "STATUS", "step.json", "result.json"
@@ -107,7 +115,7 @@ class PlannedStep:
     name: str
     version: str
     output_dir: Path
-    action: str  # "run", "wait" (another process holds its lock) or "skip" (SUCCESS)
+    action: str  # "run", "resume" (PREEMPTED: run again in place), "wait" (another process holds its lock), "skip"
     reason: str
 
 
@@ -117,10 +125,11 @@ class StepOutcome:
     version: str
     output_dir: Path
     action: str  # "ran", "skipped" or "blocked" (a dependency did not succeed)
-    status: str | None  # SUCCESS or FAILED; None when blocked
+    status: str | None  # SUCCESS, FAILED or PREEMPTED; None when blocked
     waited: bool = False  # another process held the step's lock first
-    error: str | None = None
+    error: str | None = None  # why it did not succeed: the exception, or what the preemption saved where
     result: Any = None
+    preempted_at: int | None = None  # PREEMPTED: the (training) step it stopped at; it resumes from there
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,7 +225,7 @@ def _jobs(steps: list[Step], root: str | Path) -> list[_Job]:
 
 
 def read_status(output_dir: str | Path) -> str | None:
-    """RUNNING, SUCCESS or FAILED; None when the step has not started there."""
+    """RUNNING, SUCCESS, FAILED or PREEMPTED; None when the step has not started there."""
     try:
         return (Path(output_dir) / STATUS_FILE).read_text().strip() or None
     except FileNotFoundError:
@@ -248,12 +257,17 @@ def _lock_held(lock_path: Path) -> bool:
         return False
 
 
-def _holder(output_dir: Path) -> str:
+def _read_info(output_dir: Path) -> dict:
+    """step.json of the step's latest attempt; {} when it is missing or unreadable."""
     try:
-        info = json.loads((output_dir / INFO_FILE).read_text())
-        return f"{info.get('host')} pid {info.get('pid')}"
+        return json.loads((output_dir / INFO_FILE).read_text())
     except (OSError, ValueError):
-        return "another process"
+        return {}
+
+
+def _holder(output_dir: Path) -> str:
+    info = _read_info(output_dir)
+    return f"{info['host']} pid {info['pid']}" if "host" in info else "another process"
 
 
 def _decide(job: _Job) -> tuple[str, str]:
@@ -267,6 +281,9 @@ def _decide(job: _Job) -> tuple[str, str]:
         return "run", "crashed while RUNNING (no process holds its lock); partial output will be moved aside"
     if status == FAILED:
         return "run", "FAILED before; partial output will be moved aside"
+    if status == PREEMPTED:
+        return "resume", (f"preempted at step {_read_info(job.output_dir).get('preempted_at')}; runs again in "
+                          "place, from its checkpoint")
     if job.output_dir.exists():
         return "run", "directory without a status; it will be moved aside"
     return "run", "not run yet"
@@ -316,21 +333,36 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process runs this step: wait for it, then look again
             waited = True
         try:
-            if read_status(out) == SUCCESS:
+            status = read_status(out)
+            if status == SUCCESS:
                 emit("skipped", status=SUCCESS, waited=waited)
                 return outcome("skipped", SUCCESS, waited=waited)
-            moved = str(_move_aside(out)) if out.exists() else None
-            out.mkdir(parents=True)
+            if status == PREEMPTED:  # it left a state to continue from: run again in the same directory
+                previous = _read_info(out)
+                resumed = {"preemptions": [*previous.get("preemptions", []), previous.get("preempted_at")]}
+                moved = None
+            else:
+                resumed = {}
+                moved = str(_move_aside(out)) if out.exists() else None
+            out.mkdir(parents=True, exist_ok=bool(resumed))
             config = _unwrap(job.step.config)
             info = {**base, "versioned": _versioned_fields(job.step.config), "config": config,
-                    "deps": {d: str(p) for d, p in job.dep_dirs.items()}, "started_at": _now()}
+                    "deps": {d: str(p) for d, p in job.dep_dirs.items()}, "started_at": _now(), **resumed}
             _write_atomic(out / INFO_FILE, canonical_json(info))
             _write_atomic(out / STATUS_FILE, RUNNING)
             try:
-                emit("started", status=RUNNING, moved_aside=moved)
+                emit("started", status=RUNNING, moved_aside=moved,
+                     **({"resumed_at": resumed["preemptions"][-1]} if resumed else {}))
                 result = job.step.fn(StepContext(name, job.version, out, config, dict(job.dep_dirs)))
                 if result is not None:
                     _write_atomic(out / RESULT_FILE, canonical_json(result))
+            except Preempted as e:  # the step saved a state to continue from: keep the directory for a resume
+                message = str(e)
+                _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
+                                                               "preempted_at": e.step, "preempted": message}))
+                _write_atomic(out / STATUS_FILE, PREEMPTED)
+                emit("preempted", status=PREEMPTED, preempted_at=e.step, checkpoint=str(e.path), message=message)
+                return outcome("ran", PREEMPTED, waited=waited, error=message, preempted_at=e.step)
             except BaseException as e:
                 error = f"{type(e).__name__}: {e}"
                 _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
@@ -372,7 +404,14 @@ def _ray_options(resources: Mapping[str, float]) -> dict:
 
 
 def _worker_lost(job: _Job, error: Exception, on_event: Callable[[dict], None] | None) -> StepOutcome:
-    """A Ray worker died inside a step: mark it FAILED on disk (its lock is free now) and on the record."""
+    """A Ray worker died inside a step: mark it FAILED on disk (its lock is free now) and on the record.
+
+    A step the worker had already left PREEMPTED (and put on the record) stays PREEMPTED: it can resume.
+    """
+    if read_status(job.output_dir) == PREEMPTED:
+        info = _read_info(job.output_dir)
+        return StepOutcome(job.step.name, job.version, job.output_dir, "ran", PREEMPTED,
+                           error=info.get("preempted"), preempted_at=info.get("preempted_at"))
     message = f"worker lost: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     if read_status(job.output_dir) == RUNNING and not _lock_held(job.lock_path):
         _write_atomic(job.output_dir / STATUS_FILE, FAILED)
@@ -417,9 +456,10 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
             on_event: Callable[[dict], None] | None = None) -> list[StepOutcome]:
     """Run every step that is not SUCCESS yet, dependencies first; return one outcome per step.
 
-    A failed step blocks the steps downstream of it; independent branches still run. `on_event`
-    gets a dict for each step that starts, finishes, fails or is skipped (with Ray, in the worker:
-    it must be picklable, e.g. a `functools.partial` of a top-level function).
+    A failed or preempted step blocks the steps downstream of it; independent branches still run.
+    A PREEMPTED step runs again in its own directory, to resume. `on_event` gets a dict for each step
+    that starts, finishes, fails, is preempted or is skipped (with Ray, in the worker: it must be
+    picklable, e.g. a `functools.partial` of a top-level function).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")

@@ -81,6 +81,11 @@ def find_run_dir(experiment: Experiment) -> tuple[Path, dict]:
     finished = [r for r in experiment.runs if r.body.get("step") == TRAIN_STEP
                 and r.body.get("event") in ("finished", "skipped") and r.body.get("output_dir")]
     if not finished:
+        train_events = [r.body for r in experiment.runs if r.body.get("step") == TRAIN_STEP]
+        if train_events and train_events[-1].get("event") == "preempted":
+            raise ConfigError(f"experiment {experiment.id!r} has no finished run: its training step was preempted at "
+                              f"step {train_events[-1].get('preempted_at')} with a checkpoint saved; resume it with "
+                              f"`moelab lab run {experiment.id}`.")
         events = ", ".join(sorted({str(r.body.get("event")) for r in experiment.runs})) or "none"
         raise ConfigError(f"experiment {experiment.id!r} has no finished run (run events on the ledger: {events}); "
                           f"run it first with `moelab lab run {experiment.id}`.")
@@ -380,12 +385,16 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
     commit = run_body.get("git_commit") or "none (not in a git repository)"
     if run_body.get("git_dirty"):
         commit += " (with uncommitted changes)"
+    # A preempted run resumes in its own directory: each stop is one row of the ledger with that directory.
+    stops = [f"step {r.body.get('preempted_at')} (ledger record {r.seq})" for r in experiment.runs
+             if r.body.get("event") == "preempted" and r.body.get("output_dir") == str(out)]
     sec.table(["what", "value"], [
         ["git commit of the run", commit],
         ["spec sha256", run_body.get("spec_hash") or experiment.spec_hash],
         ["step version (config hash)", run_body.get("version")],
         ["config.yaml sha256", _sha256_file(out / "config.yaml")],
         ["output directory", str(out)],
+        ["preempted, then resumed from the checkpoint at", ", ".join(stops) or "never (one uninterrupted run)"],
         ["ledger", str(ledger.path)],
     ])
     sec.pre(f"moelab lab run {experiment.id} --ledger {ledger.path}\n"
