@@ -247,16 +247,20 @@ def test_a_step_name_that_is_not_a_directory_name_is_refused():
 # `moelab lab run`
 
 
-def test_lab_run_trains_a_registered_config_and_puts_every_step_on_the_ledger(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    spec = {
-        "id": "tiny-smoke", "title": "Two steps of the tiny preset", "question": "Does the lab run train?",
-        "hypothesis": "It finishes.", "owner": "tests",
+def _tiny_spec(exp_id: str, title: str, question: str, steps: int, **overrides) -> dict:
+    """A spec that trains the tiny preset for `steps` steps on small batches: seconds on a CPU."""
+    return {
+        "id": exp_id, "title": title, "question": question, "hypothesis": "It finishes.", "owner": "tests",
         "prediction": {"metric": "loss", "band": [None, 10.0], "decision_rule": "The run finishes below 10."},
         "config": {"preset": "tiny", "overrides": {
-            "train.steps": 2, "train.batch_size": 2, "train.eval_batches": 1, "train.warmup_steps": 1,
-            "model.seq_len": 16, "data.max_bytes_per_domain": 50_000}},
+            "train.steps": steps, "train.batch_size": 2, "train.eval_batches": 1, "train.warmup_steps": 1,
+            "model.seq_len": 16, "data.max_bytes_per_domain": 50_000, **overrides}},
     }
+
+
+def test_lab_run_trains_a_registered_config_and_puts_every_step_on_the_ledger(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    spec = _tiny_spec("tiny-smoke", "Two steps of the tiny preset", "Does the lab run train?", steps=2)
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     lab = ["--ledger", str(tmp_path / "ledger.sqlite")]
     assert run_cli(["lab", "register", "spec.yaml", *lab], monkeypatch, capsys)[0] == 0
@@ -288,14 +292,8 @@ def test_lab_run_stopped_by_ctrl_c_exits_75_and_the_next_lab_run_resumes_from_th
     from moelab.lab import tracking  # imports JAX
 
     monkeypatch.chdir(tmp_path)
-    spec = {
-        "id": "tiny-ctrl-c", "title": "Ctrl-C, then resume", "question": "Does a stopped lab run resume?",
-        "hypothesis": "It finishes.", "owner": "tests",
-        "prediction": {"metric": "loss", "band": [None, 10.0], "decision_rule": "The run finishes below 10."},
-        "config": {"preset": "tiny", "overrides": {
-            "train.steps": 3, "train.batch_size": 2, "train.eval_batches": 1, "train.warmup_steps": 1,
-            "train.log_every": 1, "model.seq_len": 16, "data.max_bytes_per_domain": 50_000}},
-    }
+    spec = _tiny_spec("tiny-ctrl-c", "Ctrl-C, then resume", "Does a stopped lab run resume?", steps=3,
+                      **{"train.log_every": 1})
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     lab = ["--ledger", str(tmp_path / "ledger.sqlite")]
     assert run_cli(["lab", "register", "spec.yaml", *lab], monkeypatch, capsys)[0] == 0
