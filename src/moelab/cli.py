@@ -123,7 +123,7 @@ def train(
     start one process per host with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set
     (or under Slurm / Open MPI); see the README.
     """
-    from moelab.parallel.mesh import initialize_distributed
+    from moelab.parallel.mesh import initialize_distributed, is_writer
 
     initialize_distributed()  # before anything touches a device; a no-op for one process
     cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed,
@@ -131,7 +131,8 @@ def train(
     if predicted is not None and not predicted.is_file():
         raise ConfigError(f"--predicted {predicted} does not exist; write it with `moelab ladder run` or `ladder fit`.")
     summary = run_training(cfg, out, predicted)
-    print(json.dumps(summary))
+    if is_writer():  # every host returns the same summary; one prints it
+        print(json.dumps(summary))
 
 
 def _mesh_fields(spec: str | None) -> dict:
@@ -156,14 +157,16 @@ def _mesh_fields(spec: str | None) -> dict:
 
 
 def run_training(cfg: RunConfig, out: Path, predicted: Path | None = None) -> dict:
-    """Train with a Rich progress bar on stderr."""
+    """Train with a Rich progress bar on stderr (process 0's only, on a multi-host run)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from moelab.parallel import mesh as mesh_lib
     from moelab.train.loop import Hooks, train
 
+    mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"), console=err_console, transient=False,
+        TextColumn("{task.fields[status]}"), console=err_console, transient=False, disable=not mesh_lib.is_writer(),
     ) as progress:
         task = progress.add_task(cfg.name, total=cfg.train.steps, status="loading data")
 

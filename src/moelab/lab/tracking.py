@@ -12,6 +12,8 @@ record, each incident, each mixture-log entry and each eval's samples. The loop 
 on a resume); sinks mirror them elsewhere: `JsonlSink` into another directory, `LedgerSink` onto the lab
 ledger (kinds metric / incident / mixture / sample), `WandbSink` into a W&B run (offline unless
 WANDB_API_KEY or WANDB_MODE says otherwise; `wandb` is an optional extra, imported only here).
+On a multi-host run only process 0 publishes (`moelab.parallel.mesh.is_writer`): built on any other
+process, each of these sinks is a `NullSink` instead, which opens no file, ledger or W&B run.
 
 The mixture log (`MixtureLog`) has two kinds of entry:
 
@@ -48,10 +50,11 @@ from moelab.config import RunConfig
 from moelab.data.mixture import Batch, Corpus, allocate_rows, phase_at, phase_boundaries, realized_tokens
 from moelab.lab.ledger import append, open_ledger
 from moelab.model import transformer
+from moelab.parallel import mesh as mesh_lib
 
-__all__ = ["Sink", "JsonlSink", "LedgerSink", "WandbSink", "wandb_available", "MixtureLog", "change_message",
-           "sample_prompts", "make_greedy_decode", "generate_samples", "PROMPT_TOKENS", "CONTINUATION_TOKENS",
-           "SNAPSHOT_MAX_INTERVAL_S", "EOS_MARK"]
+__all__ = ["Sink", "NullSink", "JsonlSink", "LedgerSink", "WandbSink", "wandb_available", "MixtureLog",
+           "change_message", "sample_prompts", "make_greedy_decode", "generate_samples", "PROMPT_TOKENS",
+           "CONTINUATION_TOKENS", "SNAPSHOT_MAX_INTERVAL_S", "EOS_MARK"]
 
 PROMPT_TOKENS = 32  # per domain, clipped to seq_len // 2
 CONTINUATION_TOKENS = 48  # greedy tokens per sample, clipped to what is left of seq_len
@@ -77,7 +80,37 @@ class Sink(Protocol):
 # sinks
 
 
-class JsonlSink:
+class NullSink:
+    """Drops everything: what the sinks below are on a process that does not write (`is_writer()`)."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def incident(self, incident: dict) -> None:
+        pass
+
+    def mixture(self, entry: dict) -> None:
+        pass
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _WriterOnly:
+    """Base of the sinks below: built where `is_writer()` is False, the sink is a `NullSink` instead.
+
+    So N hosts of one run open one W&B run, one set of files and one stream of ledger records. (When
+    `__new__` returns an object that is not an instance of the class, Python skips `__init__`.)
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        return super().__new__(cls) if mesh_lib.is_writer() else NullSink()
+
+
+class JsonlSink(_WriterOnly):
     """Appends to `metrics.jsonl`, `incidents.jsonl`, `mixture_log.jsonl`, `samples.jsonl` in `directory`.
 
     The formats are the loop's own; use it to mirror a run's logs into another directory.
@@ -113,7 +146,7 @@ class JsonlSink:
             f.close()
 
 
-class LedgerSink:
+class LedgerSink(_WriterOnly):
     """Appends each output as a ledger record keyed by the experiment id; every body names the run.
 
     Kinds: `metric` (a metrics record), `incident`, `mixture` (a mixture-log entry), `sample` (one row
@@ -164,7 +197,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-class WandbSink:
+class WandbSink(_WriterOnly):
     """Logs to a W&B run whose files live under `OUT/wandb`.
 
     Offline (`mode="offline"`, synced later with `wandb sync OUT/wandb/offline-run-*`) unless WANDB_MODE

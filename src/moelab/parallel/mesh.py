@@ -19,7 +19,9 @@ dispatch, states it with `shard_map` in_specs / out_specs. Explicit axes would i
 
 Multi-host: call `initialize_distributed()` before anything touches a JAX device. It starts
 `jax.distributed` from `JAX_COORDINATOR_ADDRESS` + `JAX_NUM_PROCESSES` + `JAX_PROCESS_ID`, or lets
-JAX detect a Slurm / Open MPI launch; with none of these it does nothing (one process).
+JAX detect a Slurm / Open MPI launch; with none of these it does nothing (one process). Every process
+runs every step, eval and checkpoint save; only the one where `is_writer()` holds writes the run's
+own files and logs, so hosts sharing an output directory do not each append the same lines.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "BATCH_AXES",
     "EXPERT_WEIGHTS",
     "initialize_distributed",
+    "is_writer",
     "make_mesh",
     "check_dispatch",
     "param_spec",
@@ -84,6 +87,11 @@ def initialize_distributed(environ: Mapping[str, str] = os.environ) -> bool:
         jax.distributed.initialize()
         return True
     return False
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run's files and logs and publishes to tracking: process 0 only."""
+    return jax.process_index() == 0
 
 
 def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:

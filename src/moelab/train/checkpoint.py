@@ -12,6 +12,11 @@ previous one is used. Retention keeps the newest `keep_last` steps plus every `k
 
 The TrainState holds everything a resume needs: params, optimizer state, router bias and step, which
 is also the data cursor (the sampler is keyed on (seed, step)); the seed travels in `meta`.
+
+Multi-host: every process calls `save` and `restore_newest`; Orbax writes each process's shards and
+ends a save with a barrier once the step is complete. Only process 0 (`is_writer`) then writes the
+manifest, and no process waits for it during the run. At restore every process checks the manifest
+itself, so all of them pick the same step.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from moelab.config import CheckpointConfig
+from moelab.parallel import mesh as mesh_lib
 
 __all__ = ["CheckpointWarning", "Restored", "Checkpointer"]
 
@@ -70,9 +76,10 @@ class Checkpointer:
         self._manager.save(step, args=args, force=True)
         self._manager.wait_until_finished()
         step_dir = self.directory / str(step)
-        tmp = step_dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(_digest(step_dir), indent=1))
-        tmp.rename(step_dir / MANIFEST)  # atomic: the manifest is either absent or complete
+        if mesh_lib.is_writer():
+            tmp = step_dir / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(_digest(step_dir), indent=1))
+            tmp.rename(step_dir / MANIFEST)  # atomic: the manifest is either absent or complete
         return step_dir
 
     def steps(self) -> list[int]:

@@ -9,23 +9,29 @@
 mirror them to the ledger or W&B. Progress is reported through callbacks so the core imports no UI
 library; the CLI plugs in a Rich progress bar. Everything a user can get wrong (config, data files, vocabulary)
 is checked before `OUT` is created, so bad input leaves nothing half-written.
+
+Multi-host: every process runs every step, eval, sample decode and checkpoint save (they are
+collectives), but only process 0 (`mesh.is_writer()`) writes the files above and publishes to sinks; on
+the others they are opened on os.devnull, so N hosts sharing `OUT` do not write each line N times.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moelab.config import ConfigError, Preempted, RunConfig, dump_yaml, load_yaml, to_dict
@@ -141,7 +147,11 @@ def prepare_corpus(cfg: RunConfig) -> Corpus:
 
 @dataclass
 class Hooks:
-    """Callbacks the caller plugs in (all optional): progress, every logged record, every eval."""
+    """Callbacks the caller plugs in (all optional): progress, every logged record, every eval.
+
+    They run on every process of a multi-host run, with the same values; show progress only where
+    `moelab.parallel.mesh.is_writer()` holds.
+    """
 
     on_step: Callable[[int], None] | None = None  # after each step, with the number of steps done
     on_log: Callable[[dict], None] | None = None  # each record written to metrics.jsonl
@@ -207,6 +217,14 @@ def _stop_requests():
             signal.signal(sig, old)
 
 
+_LOGS = ("metrics.jsonl", "incidents.jsonl", "mixture_log.jsonl", "samples.jsonl", "router_load.jsonl")
+
+
+def _open_run_file(path: Path, mode: str) -> IO[str]:
+    """`path` opened for writing on the process that writes the run's files; os.devnull on the others."""
+    return open(path if mesh_lib.is_writer() else os.devnull, mode)
+
+
 def _read_jsonl_until(path: Path, step: int) -> list[str]:
     """Lines of a JSONL log whose `step` is at most `step`: what survives a resume from `step`."""
     if not path.is_file():
@@ -214,12 +232,11 @@ def _read_jsonl_until(path: Path, step: int) -> list[str]:
     return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
 
 
-def _reopen_log(files: contextlib.ExitStack, path: Path, step: int) -> tuple[Any, list[str]]:
-    """Open a JSONL log for writing with its lines up to `step` kept (a resume redoes the rest)."""
-    kept = _read_jsonl_until(path, step)
-    f = files.enter_context(open(path, "w"))
+def _reopen_log(files: contextlib.ExitStack, path: Path, kept: list[str]) -> IO[str]:
+    """Open a JSONL log for writing with the `kept` lines rewritten first (a resume redoes the rest)."""
+    f = files.enter_context(_open_run_file(path, "w"))
     f.writelines(line + "\n" for line in kept)
-    return f, kept
+    return f
 
 
 def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
@@ -234,6 +251,10 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
     `eval/mean` is checked against the predicted 95% band; two misses in a row are an `off_track`
     incident. Returns the summary: final `step`, `loss`, `eval` and `eval_initial` per domain (with
     their `mean`), `eval_mean`, `tokens`, `tokens_per_s`, `incidents`. Raises Preempted on SIGTERM / SIGINT.
+
+    On a multi-host run every process trains, evaluates, saves checkpoints (Orbax coordinates
+    `checkpoints/`) and returns the same summary, but only process 0 writes the other files and
+    publishes to `sinks`.
     """
     hooks = hooks or Hooks()
     out = Path(out_dir)
@@ -257,8 +278,10 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
 def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mesh: Mesh, corpus: Corpus,
            sinks: Sequence[tracking.Sink]) -> dict:
     """`train` once its inputs are checked and `out` exists."""
+    published = sinks if mesh_lib.is_writer() else ()  # a run's outputs go out once, from process 0
+
     def publish(kind: str, *payload) -> None:
-        for sink in sinks:
+        for sink in published:
             getattr(sink, kind)(*payload)
 
     t, m = cfg.train, cfg.model
@@ -271,17 +294,21 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
     tokens_per_step = t.batch_size * m.seq_len
     checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
     restored = checkpoints.restore_newest(like=state)
-    start = 0
+    start = 0 if restored is None else restored.step
+    kept = {name: _read_jsonl_until(out / name, start) for name in _LOGS}
+    if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
+        multihost_utils.sync_global_devices("moelab.train: run files read")
     if restored is not None:
-        state, start = restored.state, restored.step
+        state = restored.state
         initial_eval = restored.meta["eval_initial"]
         realized = restored.meta.get("realized_tokens")  # None in checkpoints older than the mixture log
-        with open(out / "resumes.jsonl", "a") as f:
+        with _open_run_file(out / "resumes.jsonl", "a") as f:
             f.write(json.dumps({"step": start, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
     else:
         initial_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
         realized = None
-    (out / "config.yaml").write_text(dump_yaml(cfg))
+    with _open_run_file(out / "config.yaml", "w") as f:
+        f.write(dump_yaml(cfg))
     if hooks.on_eval and start == 0:
         hooks.on_eval(0, initial_eval)
 
@@ -293,12 +320,10 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
     monitor, incidents = Monitor(cfg.monitor), []
     with contextlib.ExitStack() as files:
         stop = files.enter_context(_stop_requests())
-        log, _ = _reopen_log(files, out / "metrics.jsonl", start)
-        incident_log, kept_incidents = _reopen_log(files, out / "incidents.jsonl", start)
-        mixture_log, kept_mixture = _reopen_log(files, out / "mixture_log.jsonl", start)
-        sample_log, _ = _reopen_log(files, out / "samples.jsonl", start)
-        load_log, _ = _reopen_log(files, out / "router_load.jsonl", start)
-        mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized, [json.loads(x) for x in kept_mixture])
+        log, incident_log, mixture_log, sample_log, load_log = (_reopen_log(files, out / name, kept[name])
+                                                                for name in _LOGS)
+        mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized,
+                                      [json.loads(x) for x in kept["mixture_log.jsonl"]])
         window_start, window_steps = time.perf_counter(), 0
 
         def log_mixture(entry: dict | None) -> None:
@@ -387,8 +412,9 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
         "eval_mean": last_eval["mean"],
         "tokens": t.steps * tokens_per_step,
         "tokens_per_s": tokens_per_s,
-        "incidents": len(kept_incidents) + len(incidents),
+        "incidents": len(kept["incidents.jsonl"]) + len(incidents),
         "resumed_from": start or None,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with _open_run_file(out / "summary.json", "w") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
     return summary
