@@ -342,6 +342,21 @@ def test_train_command_on_the_2x4_mesh_follows_the_single_device_loss_curve(monk
     assert np.max(np.abs(losses - ref)) < 1e-4, np.max(np.abs(losses - ref))
 
 
+def test_train_step_reports_ep_drops_per_stage_and_they_add_up_to_the_drop_fraction():
+    """Squeezed pools and buffers drop at both stages; the metrics say how much at each."""
+    cfg = override(presets.get("tiny"), {"model.moe.dispatch": "ep", "model.moe.capacity_factor": 0.5,
+                                         "model.moe.transport_capacity_factor": 0.5, "train.batch_size": 8,
+                                         "model.seq_len": 16})
+    cfg = dataclasses.replace(cfg, mesh=MESHES["2x4"])
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    state, step = init_sharded_state(cfg, mesh), make_train_step(cfg, mesh)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 17), dtype=np.int32)
+    _, metrics = step(state, mesh_lib.place_batch(tokens, mesh))
+    at_sender, at_receiver = float(metrics["drop_fraction_at_sender"]), float(metrics["drop_fraction_at_receiver"])
+    assert at_sender > 0 and at_receiver > 0
+    assert at_sender + at_receiver == pytest.approx(float(metrics["drop_fraction"]), rel=1e-6)
+
+
 def test_sharding_rule_splits_routed_experts_and_their_adam_moments_over_expert_only():
     shardings = state_shardings(presets.get("tiny"), mesh_lib.make_mesh(MESHES["2x4"]))
     specs = {jax.tree_util.keystr(path): s.spec for path, s in jax.tree_util.tree_leaves_with_path(shardings)}

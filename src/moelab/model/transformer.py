@@ -209,7 +209,9 @@ def apply(
     Returns:
         logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L],
         `drop_fraction` [] (dropped / assignments over all layers), `router_entropy` [L],
-        `balance_loss` [] and, under quantile balancing, `bias_target` [L, E]; all float32.
+        `balance_loss` [] and, under quantile balancing, `bias_target` [L, E]; under `ep` also
+        `drop_fraction_at_sender` and `drop_fraction_at_receiver` [] (they add up to `drop_fraction`);
+        all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
     block = _remat(functools.partial(_block, cfg, compute_dtype, ep_dispatch), cfg.remat)
@@ -229,6 +231,9 @@ def apply(
     }
     if "bias_target" in stats:  # quantile balancing: this step's target bias per layer, for the next step
         aux["bias_target"] = stats["bias_target"]
+    if "dropped_at_sender" in stats:  # `ep`: where the drops happen says which capacity factor to raise
+        for stage in ("sender", "receiver"):
+            aux[f"drop_fraction_at_{stage}"] = jnp.sum(stats[f"dropped_at_{stage}"]) / jnp.sum(stats["assignments"])
     return logits, aux
 
 

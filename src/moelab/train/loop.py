@@ -96,6 +96,8 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
             "lr": schedule(state.step),
             "grad_norm": optax.tree.norm(grads),
             "drop_fraction": aux["drop_fraction"],
+            # `ep` only: dropped at the sender's pools (transport_capacity_factor) / at the experts (capacity_factor)
+            **{k: aux[k] for k in ("drop_fraction_at_sender", "drop_fraction_at_receiver") if k in aux},
         }
         # Balancing: step t's statistics give the bias of step t+1. It is not rolled back with a
         # skipped step: the routing statistics of a spiking batch are as valid as any other's.
