@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-TRAIN = ["--preset", "tiny", "--mesh", "replica=2", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
+TRAIN = ["--preset", "tiny", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
          "--set", "model.seq_len=16", "--set", "data.max_bytes_per_domain=50000"]
 MOELAB = [sys.executable, "-c", "from moelab.cli import main; main()"]
 
@@ -60,8 +60,10 @@ def _wait(procs: list[subprocess.Popen], logs: Path, timeout: float = 240) -> li
                              + (logs / "err1").read_text()[-2000:]) from None
 
 
-def test_two_processes_train_like_one_process_on_two_devices_and_only_process_0_writes(tmp_path):
-    args = [*TRAIN, "--steps", "4", "--set", "train.log_every=2"]
+@pytest.mark.parametrize("mesh", ["replica=2", "expert=2"], ids=["data-parallel", "expert-parallel"])
+def test_two_processes_train_like_one_process_on_two_devices_and_only_process_0_writes(mesh, tmp_path):
+    """Data parallel across the hosts, or experts sharded across them (`ep`'s all-to-all between processes)."""
+    args = [*TRAIN, "--mesh", mesh, "--steps", "4", "--set", "train.log_every=2"]
     logs = tmp_path / "logs"
     codes = _wait(_launch([*args, "--out", str(tmp_path / "run")], logs), logs)
     assert codes == [0, 0], (logs / "err0").read_text()[-3000:] + (logs / "err1").read_text()[-3000:]
@@ -85,7 +87,8 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step_and_both_resume(tmp
     """SIGTERM reaches only process 1 (a scheduler preempting one host). Saving is a collective, so
     both must agree to stop after the same step; then the same command resumes both."""
     def args(steps: int) -> list[str]:
-        return [*TRAIN, "--steps", str(steps), "--set", "train.log_every=1", "--out", str(tmp_path / "run")]
+        return [*TRAIN, "--mesh", "replica=2", "--steps", str(steps), "--set", "train.log_every=1",
+                "--out", str(tmp_path / "run")]
 
     logs = tmp_path / "logs"
     procs = _launch(args(400), logs)
