@@ -117,6 +117,21 @@ def test_wandb_offline_run_holds_the_metrics_under_out(run):
     assert len(json.loads(last.read_text())["data"]) == 9  # every row so far: 3 evals x 3 domains
 
 
+def test_wandb_sink_made_again_for_the_same_out_continues_the_same_run(run, tmp_path, monkeypatch):
+    """A resumed training makes its sinks again: W&B must continue the run, not start a second one."""
+    _, out, _ = run
+    first_id = (out / "wandb" / "moelab_run_id").read_text().strip()
+    [run_dir] = list((out / "wandb").glob("offline-run-*"))
+    assert run_dir.name.endswith(first_id)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    sink = tracking.WandbSink(tmp_path, {"name": "x"}, "x")
+    again = tracking.WandbSink(tmp_path, {"name": "x"}, "x")
+    assert again.run.id == sink.run.id != first_id
+    sink.close()
+    again.close()
+
+
 def test_counts_rebuilt_for_a_resume_match_the_sampled_batches():
     """A checkpoint without `realized_tokens` is rebuilt from the phase schedule; the batches are the oracle."""
     cfg = override(_cfg(), {"train.batch_size": 7})  # 7 rows: the largest-remainder split is uneven

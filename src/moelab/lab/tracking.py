@@ -38,6 +38,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -205,7 +206,8 @@ class WandbSink(_WriterOnly):
     record's step as `train/loss`, `train/lr`, `throughput/tokens_per_s`, `router/*`, `norm/*`, `eval/*`;
     incidents as `incidents/count` plus `incidents/<rule>`; the mixture as `mixture/weight/<domain>`
     and `mixture/tokens/<domain>`; samples as the table `samples` (all rows so far, re-logged at each eval
-    because a logged W&B table cannot grow).
+    because a logged W&B table cannot grow). The run's id is kept in `OUT/wandb/moelab_run_id`, so a
+    sink made again for the same OUT (a resumed run) logs into the same W&B run.
     """
 
     def __init__(self, out_dir: str | Path, config: dict, run_name: str, project: str = "moelab",
@@ -218,7 +220,13 @@ class WandbSink(_WriterOnly):
         kwargs: dict[str, Any] = {}
         if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
             kwargs["mode"] = "offline"
-        self.run = wandb.init(project=project, name=run_name, group=group, config=config, dir=str(out), **kwargs)
+        # One W&B run per OUT: a resumed training (after a preemption, say) continues the run it started.
+        id_file = out / "wandb" / "moelab_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(run_id + "\n")
+        self.run = wandb.init(project=project, name=run_name, group=group, config=config, dir=str(out), id=run_id,
+                              resume="allow", **kwargs)
         self._num_incidents = 0
         self._sample_rows: list[list] = []
 
