@@ -41,8 +41,11 @@ if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
   RUNS=()
   for p in $MOE_PRESETS; do for b in $BACKENDS; do RUNS+=(--run "$p:$b"); done; done
   for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense"); done
-  "$PY" "$HERE/moe_layer.py" --tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 \
-      --grouped-variants 16x32x16w4s3 --breakdown --check --out "$OUT/moe_layer.json" --json > "$OUT/moe_layer.log" 2>&1 &
+  LAYER_SHAPE=(--tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 --out "$OUT/moe_layer.json" --json)
+  # In two parts, as on the GPU, so the merge is tested too.
+  ("$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --backends capacity,grouped --check
+   "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends ep,dropless --grouped-variants 16x32x16w4s3 \
+       --breakdown) > "$OUT/moe_layer.log" 2>&1 &
   LAYER=$!
   "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1
   "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --out-dir "$OUT" --json > "$OUT/mfu.log" 2>&1
@@ -63,18 +66,20 @@ else
     fi
   }
   run 60 "$OUT/matmul.json" matmul "$PY" "$HERE/mfu.py" --matmul-only --out-dir "$OUT" --json
-  run 180 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,grouped,ep,dropless \
-      --grouped-variants default --breakdown --check --budget-s 3 --out "$OUT/moe_layer.json" --json
-  # The figures first (gpu-medium's MFU, MoE against dense), fast paths before slow ones, so a
-  # tight budget cuts only the slow backends.
-  ORDER=()
-  for p in gpu-medium gpu-small; do ORDER+=("$p:grouped" "$p:capacity" "$p-dense:dense"); done
-  for b in ep dropless; do for p in $MOE_PRESETS; do ORDER+=("$p:$b"); done; done
-  for pb in "${ORDER[@]}"; do
-    p=${pb%%:*}; b=${pb##*:}
-    cap=90; [[ $p == gpu-medium* ]] && cap=120  # compile + state init + ~15 s timed
+  mfu_run() {  # PRESET:BACKEND
+    local p=${1%%:*} b=${1##*:} cap=90
+    [[ $p == gpu-medium* ]] && cap=120  # compile + state init + ~15 s timed
     run $cap "$OUT/mfu_${p}_${b}.json" mfu "$PY" "$HERE/mfu.py" --run "$p:$b" --out-dir "$OUT" \
         --steps 5 --windows 3 --warmup 2 --budget-s 15 --json
-  done
+  }
+  # The figures first: the layer on the two fast paths (checked against each other), then
+  # gpu-medium's MFU against its dense counterpart; the extras after, so a tight budget cuts only them.
+  run 100 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,grouped --check \
+      --budget-s 3 --out "$OUT/moe_layer.json" --json
+  for pb in gpu-medium:grouped gpu-medium:capacity gpu-medium-dense:dense; do mfu_run $pb; done
+  run 150 "$OUT/moe_layer.json" moe_layer_extras "$PY" "$HERE/moe_layer.py" --merge --backends ep,dropless \
+      --grouped-variants default --breakdown --budget-s 2 --out "$OUT/moe_layer.json" --json
+  for pb in gpu-small:grouped gpu-small:capacity gpu-small-dense:dense \
+            gpu-medium:ep gpu-small:ep gpu-medium:dropless gpu-small:dropless; do mfu_run $pb; done
 fi
 "$PY" "$HERE/suite_table.py" "$OUT" --record "$OUT/record.json"

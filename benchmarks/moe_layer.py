@@ -36,6 +36,7 @@ import json
 import re
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -250,6 +251,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="calls per timed window (3 windows)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="cap on each timing's seconds")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
+    parser.add_argument("--merge", action="store_true",
+                        help="add to the results already in --out (same shape), so a suite can split the work")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     variants = GROUPED_VARIANTS if args.grouped_variants == "default" else [
@@ -261,6 +264,13 @@ def main() -> None:
               "jax": jax.__version__, "tokens": args.tokens, "d": args.d, "experts": args.experts, "topk": args.topk,
               "width": args.width, "capacity_factor": args.capacity_factor, "dtype": "bfloat16",
               "useful_flops": flops, "backends": {}}
+
+    if args.merge and args.out and Path(args.out).is_file():
+        prior = json.loads(Path(args.out).read_text())
+        shape = ("tokens", "d", "experts", "topk", "width", "capacity_factor")
+        if any(prior.get(k) != result[k] for k in shape):
+            raise SystemExit(f"--merge: {args.out} holds another shape ({', '.join(f'{k}={prior.get(k)}' for k in shape)})")
+        result |= {k: prior[k] for k in ("backends", "check", "breakdown") if k in prior}
 
     def save(status: str) -> None:  # after every step, so a later one that hangs past a timeout loses only itself
         if args.out:
@@ -274,7 +284,7 @@ def main() -> None:
     if args.check:
         result["check"] = _guarded(functools.partial(check_grouped, args))
         save("running")
-    for backend in args.backends.split(","):
+    for backend in filter(None, args.backends.split(",")):
         result["backends"][backend] = _guarded(functools.partial(timed_layer, backend))
         save("running")
     for name, gmm_tiles in tiles.items():
@@ -283,7 +293,8 @@ def main() -> None:
         result["backends"][f"grouped[{name}]"] = _guarded(functools.partial(timed_layer, "grouped", fn))
         save("running")
     if args.breakdown:
-        result["breakdown"] = {"ideal_batched_matmul": _guarded(functools.partial(_ideal_batched_matmul, args, flops))}
+        result.setdefault("breakdown", {})["ideal_batched_matmul"] = _guarded(
+            functools.partial(_ideal_batched_matmul, args, flops))
         for backend in BREAKDOWN_BACKENDS:
             result["breakdown"][backend] = _guarded(lambda b=backend: {"parts": breakdown(b, args, flops)})
             save("running")

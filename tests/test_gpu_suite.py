@@ -257,3 +257,14 @@ def test_gpu_medium_train_step_lowers_for_cuda_donated_and_without_host_callback
     assert text.count("tf.aliasing_output") == len(jax.tree.leaves(state))  # every state buffer is reused
     targets = set(re.findall(r"custom_call @([\w$.]+)", text))
     assert not [t for t in targets if "callback" in t.lower()], targets
+
+
+def test_layer_merge_refuses_results_of_another_shape(tmp_path):
+    out = tmp_path / "moe_layer.json"
+    out.write_text(json.dumps({"tokens": 999, "d": 64, "experts": 8, "topk": 2, "width": 32, "capacity_factor": 1.15,
+                               "backends": {}}))
+    proc = subprocess.run([sys.executable, str(BENCH / "moe_layer.py"), "--tokens", "256", "--d", "64", "--experts",
+                           "8", "--topk", "2", "--width", "32", "--backends", "", "--merge", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode != 0 and "another shape (tokens=999" in proc.stderr
+    assert json.loads(out.read_text())["tokens"] == 999  # left as it was
