@@ -133,9 +133,12 @@ def _swiglu_buffers(buf, w_gate, w_up, w_down):
     return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down)
 
 
-def _swiglu_grouped(rows, w_gate, w_up, w_down, block_expert, group_offsets, tiles):
-    """The `grouped` backend's expert matmuls on block-padded rows."""
-    gmm = functools.partial(grouped_matmul.gmm, block_expert=block_expert, group_offsets=group_offsets, **tiles)
+def _swiglu_grouped(rows, w_gate, w_up, w_down, block_expert, group_offsets, on_gpu):
+    """The `grouped` backend's expert matmuls on block-padded rows, with its default tiles."""
+    def gmm(x, w):
+        tiles = dispatch_lib.grouped_tiles(w.shape[1], w.shape[2], on_gpu)
+        return grouped_matmul.gmm(x, w, block_expert, group_offsets, **tiles)
+
     return gmm(jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up), w_down)
 
 
@@ -175,11 +178,12 @@ def breakdown(backend: str, args, flops: int) -> dict:
         parts["expert_matmuls"] = _time_matmuls(_swiglu_buffers, (args.experts, C, args.d), cfg, args.iters,
                                                 args.budget_s)
     else:
-        tiles = dispatch_lib.grouped_tiles(args.d, args.width, on_gpu=jax.default_backend() == "gpu")
+        on_gpu = jax.default_backend() == "gpu"
+        block_m = dispatch_lib.grouped_tiles(args.d, args.width, on_gpu)["block_m"]
         counts = jnp.full((args.experts,), A // args.experts, jnp.int32).at[0].add(A % args.experts)
-        _, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, tiles["block_m"])
+        _, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, block_m)
         parts["expert_matmuls"] = _time_matmuls(_swiglu_grouped, (M, args.d), cfg, args.iters, args.budget_s,
-                                                block_expert, group_offsets, tiles)
+                                                block_expert, group_offsets, on_gpu)
     parts["expert_matmuls"]["useful_tflops_per_s"] = flops / parts["expert_matmuls"]["seconds"] / 1e12
     return parts
 

@@ -27,11 +27,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moelab.model import grouped_matmul
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "dense", "capacity", "dropless", "grouped", "dispatch", "expert_capacity", "grouped_tiles",
+__all__ = ["BACKENDS", "EXPERT_MATMUL", "dense", "capacity", "dropless", "grouped", "dispatch", "expert_capacity", "grouped_tiles",
            "take_rows"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
@@ -40,6 +41,9 @@ BACKENDS = ("dense", "capacity", "dropless", "grouped")
 # rows per expert (E * 127 of T * k + E * 127, ~6% at 64 experts and 16k tokens top-8).
 GPU_ROW_TILE = 128
 GROUPED_MIN_TILE = 16  # Triton's smallest MMA dimension: `grouped` needs widths that are multiples of it
+# `grouped`'s kernel outputs carry this name, so a remat policy can keep them as it keeps XLA's dots
+# (`checkpoint_dots` sees only dot_general; a Pallas call would be recomputed in the backward pass).
+EXPERT_MATMUL = "expert_matmul"
 
 Experts = dict[str, jax.Array]  # w_gate [E, Din, F], w_up [E, Din, F], w_down [E, F, Din]
 Stats = dict[str, jax.Array]  # load [E], dropped [], assignments []
@@ -77,11 +81,11 @@ def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
 
 
 def _take_rows_fwd(x, index, inverse):
-    return take_rows(x, index, inverse), (index, inverse, x.shape[0])
+    return take_rows(x, index, inverse), (inverse, x.shape[0])
 
 
 def _take_rows_bwd(residuals, d_out):
-    index, inverse, num_rows = residuals
+    inverse, num_rows = residuals
     fan_out = inverse.size // num_rows
     # The fan-out terms are summed in float32, as autodiff's scatter-add would not be; k = 8 bf16
     # partial sums in bf16 would lose ~3 bits.
@@ -227,15 +231,15 @@ def _largest_tile(dim: int, most: int) -> int:
     return tile
 
 
-def grouped_tiles(input_dim: int, expert_dim: int, on_gpu: bool) -> dict[str, int]:
-    """`gmm` tile sizes for the three expert matmuls: columns up to 128, contraction up to 64.
+def grouped_tiles(k_dim: int, n_dim: int, on_gpu: bool) -> dict[str, int]:
+    """`gmm` tiles for a [rows, K] x [K, N] expert matmul: columns up to 128, contraction up to 64.
 
-    Both widths must be multiples of 16 (`ModelConfig` checks this for `grouped`). Off the GPU the
-    row tile is 16: the interpreter pays per row of padding, not per program.
+    Widths must be multiples of 16 (`ModelConfig` checks this for `grouped`). Each matmul gets its own
+    (gate/up: K = Din, N = F; down: K = F, N = Din), so a narrow width does not shrink the other's
+    tiles. Off the GPU the row tile is 16: the interpreter pays per row of padding, not per program.
     """
     return {"block_m": GPU_ROW_TILE if on_gpu else GROUPED_MIN_TILE,
-            "block_n": _largest_tile(math.gcd(input_dim, expert_dim), 128),
-            "block_k": _largest_tile(math.gcd(input_dim, expert_dim), 64)}
+            "block_n": _largest_tile(n_dim, 128), "block_k": _largest_tile(k_dim, 64)}
 
 
 def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
@@ -246,23 +250,28 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
         h: [T, Din] expert inputs; Din and the expert width F multiples of 16.
         routing: chosen experts and combine weights.
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
-        tiles: `gmm` keyword arguments (block_m/n/k, num_warps, num_stages); None: `grouped_tiles`.
-            The layer benchmark tries several on the GPU.
+        tiles: `gmm` keyword arguments (block_m/n/k, num_warps, num_stages) for all three matmuls;
+            None: `grouped_tiles` per matmul. The layer benchmark tries several on the GPU.
 
     Returns:
         out [T, Din] and stats (`dropped` = 0).
     """
     T, k = routing.expert_idx.shape
     E, Din, F = experts["w_gate"].shape
-    tiles = tiles or grouped_tiles(Din, F, on_gpu=jax.default_backend() == "gpu")
+    on_gpu = jax.default_backend() == "gpu"
+
+    def tiles_for(w: jax.Array) -> dict[str, int]:
+        return tiles or grouped_tiles(w.shape[1], w.shape[2], on_gpu)
+
     order, _, counts = _sort_by_expert(routing.expert_idx, E)
-    row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, T * k, tiles["block_m"])
+    block_m = tiles_for(experts["w_gate"])["block_m"]  # one row layout for all three matmuls
+    row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, T * k, block_m)
     # The padded row of each assignment, and the assignment in each padded row (T k for padding).
     assignment_row = jnp.zeros((T * k,), jnp.int32).at[order].set(row_of_sorted)
     row_assignment = jnp.full((M,), T * k, jnp.int32).at[row_of_sorted].set(order)
 
     def gmm(x, w):
-        return grouped_matmul.gmm(x, w, block_expert, group_offsets, **tiles)
+        return checkpoint_name(grouped_matmul.gmm(x, w, block_expert, group_offsets, **tiles_for(w)), EXPERT_MATMUL)
 
     x = take_rows(h, row_assignment // k, assignment_row)  # [M, Din]; padding rows are zero
     hidden = jax.nn.silu(gmm(x, experts["w_gate"])) * gmm(x, experts["w_up"])

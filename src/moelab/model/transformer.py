@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import moe
+from moelab.model.dispatch import EXPERT_MATMUL
 from moelab.model.moe import INIT_STD, EPDispatch, rms_norm
 
 __all__ = ["init", "init_router_bias", "apply", "loss", "attention", "causal_attention", "apply_rope"]
@@ -178,12 +179,17 @@ def _block(
 def _remat(block, remat: str):
     """The block under `jax.checkpoint` per `ModelConfig.remat`; the same function, other memory / time.
 
-    `dots` keeps every matmul output (`checkpoint_dots`) and recomputes the elementwise work (norms,
-    RoPE, SwiGLU's silu * up) in the backward pass; `full` keeps only the block's inputs.
+    `dots` keeps every matmul output (`checkpoint_dots`, plus the `grouped` backend's Pallas matmuls,
+    named `EXPERT_MATMUL`) and recomputes the elementwise work (norms, RoPE, SwiGLU's silu * up) in the
+    backward pass; `full` keeps only the block's inputs.
     """
     if remat == "none":
         return block
-    policy = jax.checkpoint_policies.checkpoint_dots if remat == "dots" else None
+    policies = jax.checkpoint_policies
+    policy = None
+    if remat == "dots":
+        policy = policies.save_from_both_policies(policies.checkpoint_dots,
+                                                  policies.save_only_these_names(EXPERT_MATMUL))
     return jax.checkpoint(block, policy=policy, prevent_cse=False)  # prevent_cse is not needed under scan
 
 
