@@ -235,8 +235,10 @@ def _guarded(fn) -> dict:
 
 
 def _write(path: str, result: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    """Atomically (a temporary file, then a rename): a run killed mid-write leaves the previous version."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
 
 
 def main() -> None:
@@ -269,8 +271,8 @@ def main() -> None:
               "width": args.width, "capacity_factor": args.capacity_factor, "dtype": "bfloat16",
               "useful_flops": flops, "backends": {}}
 
-    if args.merge and args.out and Path(args.out).is_file():
-        prior = json.loads(Path(args.out).read_text())
+    prior = json.loads(Path(args.out).read_text()) if args.merge and args.out and Path(args.out).is_file() else {}
+    if "backends" in prior:  # else nothing to add to: e.g. the suite's stub for a first part that timed out
         shape = ("tokens", "d", "experts", "topk", "width", "capacity_factor")
         if any(prior.get(k) != result[k] for k in shape):
             raise SystemExit(f"--merge: {args.out} holds another shape ({', '.join(f'{k}={prior.get(k)}' for k in shape)})")

@@ -29,6 +29,7 @@ EXPECTED_FILES = ("matmul.json", "moe_layer.json", *(f"mfu_{p}_{b}.json" for p, 
 LAYER_TARGET_TFLOPS = 470.0
 MFU_TARGET = 0.45
 DENSE_RATIO_TARGET = 0.85
+ISSUE_LAYER_SHAPE = (16384, 2048, 64, 8, 1024)  # the layer benchmark's tokens, d, experts, top-k, width
 
 
 def _load(path: Path) -> dict:
@@ -121,10 +122,19 @@ def _best(runs: dict[str, dict], key: str) -> tuple[str | None, float | None]:
 
 def targets(out: Path) -> list[dict]:
     """Issue 9's three bars, each with the best measured figure, the run it came from and a verdict:
-    "met", "missed", "not measured" when no run of that kind finished, or "n/a (no GPU)" for the
-    tiny CPU shapes, whose figures say nothing about the bars."""
-    on_gpu = _load(out / "matmul.json").get("platform") == "gpu"
-    layer_runs = _load(out / "moe_layer.json").get("backends", {})
+    "met", "missed", "not measured" when no run of that kind finished, or "n/a (no GPU)" / "n/a (tiny
+    shapes)", whose figures say nothing about the bars. `grouped` layer speeds count only when its
+    kernel passed the check against `capacity`."""
+    layer = _load(out / "moe_layer.json")
+    runs = [_load(out / name) for name in EXPECTED_FILES]
+    on_gpu = any(r.get("platform") == "gpu" for r in runs)  # any run: the matmul one may have timed out
+    tiny = any(r.get("tiny") for r in runs) or (
+        "tokens" in layer and (layer["tokens"], layer["d"], layer["experts"], layer["topk"], layer["width"])
+        != ISSUE_LAYER_SHAPE)
+    # A grouped speed counts only if its kernel passed the check against capacity.
+    trusted = layer.get("check", {}).get("passed", False)
+    layer_runs = {name: r for name, r in layer.get("backends", {}).items()
+                  if trusted or not name.startswith("grouped")}
     mfu = {b: _load(out / f"mfu_gpu-medium_{b}.json") for b in MOE_BACKENDS}
     checks = [("MoE layer useful TFLOP/s", LAYER_TARGET_TFLOPS, *_best(layer_runs, "useful_tflops_per_s")),
               ("gpu-medium MFU (989 TFLOP/s)", MFU_TARGET, *_best(mfu, "mfu_datasheet"))]
@@ -134,7 +144,7 @@ def targets(out: Path) -> list[dict]:
         ratio = best / dense["tokens_per_s"] if best and dense.get("status") == "ok" else None
         checks.append((f"{preset} MoE / dense tokens/s", DENSE_RATIO_TARGET, name, ratio))
     return [{"target": what, "bar": bar, "best_run": run, "value": value,
-             "verdict": "n/a (no GPU)" if not on_gpu else "not measured" if value is None
+             "verdict": "n/a (no GPU)" if not on_gpu else "n/a (tiny shapes)" if tiny else "not measured" if value is None
              else "met" if value >= bar else "missed"}
             for what, bar, run, value in checks]
 

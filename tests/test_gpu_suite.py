@@ -141,6 +141,35 @@ def test_targets_take_the_best_finished_run_and_judge_it_against_each_bar(tmp_pa
     assert suite_table.targets(tmp_path)[0]["verdict"] == "not measured"
 
 
+def _layer_file(out: Path, check_passed: bool | None, tokens: int = 16384) -> None:
+    layer = {"tokens": tokens, "d": 2048, "experts": 64, "topk": 8, "width": 1024, "backends": {
+        "capacity": {"status": "ok", "useful_tflops_per_s": 300.0},
+        "grouped": {"status": "ok", "useful_tflops_per_s": 500.0}}}
+    if check_passed is not None:
+        layer["check"] = {"status": "ok", "passed": check_passed, "max_relative_error": 0.003 if check_passed else 1.0}
+    (out / "moe_layer.json").write_text(json.dumps(layer))
+
+
+def test_a_grouped_speed_counts_only_when_its_kernel_passed_the_check(tmp_path):
+    _fake_suite(tmp_path, 0.0, {"capacity": 0.3}, {"capacity": 800.0})
+    for passed, want in ((True, ("grouped", 500.0, "met")), (False, ("capacity", 300.0, "missed")),
+                         (None, ("capacity", 300.0, "missed"))):
+        _layer_file(tmp_path, passed)
+        [layer_target] = [t for t in suite_table.targets(tmp_path) if t["target"].startswith("MoE layer")]
+        assert (layer_target["best_run"], layer_target["value"], layer_target["verdict"]) == want, passed
+
+
+def test_targets_see_the_gpu_in_any_run_and_refuse_tiny_shapes(tmp_path):
+    _fake_suite(tmp_path, 0.0, {"capacity": 0.5}, {"capacity": 900.0})
+    _layer_file(tmp_path, True)
+    (tmp_path / "matmul.json").write_text(json.dumps({"status": "timeout"}))  # the matmul run was killed
+    (tmp_path / "mfu_gpu-medium_capacity.json").write_text(json.dumps(
+        {"status": "ok", "platform": "gpu", "mfu_datasheet": 0.5, "tokens_per_s": 900.0}))
+    assert {t["verdict"] for t in suite_table.targets(tmp_path)} == {"met"}
+    _layer_file(tmp_path, True, tokens=256)  # a GPU run with MOELAB_SUITE_TINY=1
+    assert {t["verdict"] for t in suite_table.targets(tmp_path)} == {"n/a (tiny shapes)"}
+
+
 def test_mfu_arithmetic_comes_from_accounting():
     cfg = presets.get("gpu-small")
     timing = {"step_time_s": 0.25}
@@ -261,12 +290,26 @@ def test_gpu_medium_train_step_lowers_for_cuda_donated_and_without_host_callback
     assert not [t for t in targets if "callback" in t.lower()], targets
 
 
+def _layer_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / "moe_layer.py"), "--tokens", "256", "--d", "64", "--experts",
+                           "8", "--topk", "2", "--width", "32", "--iters", "1", "--budget-s", "0.1", *args],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_layer_merge_after_a_first_part_that_timed_out_starts_afresh(tmp_path):
+    """The suite leaves a stub when the first part is killed; the second part must still record its runs."""
+    out = tmp_path / "moe_layer.json"
+    out.write_text(json.dumps({"benchmark": "moe_layer", "status": "timeout", "error": "killed after 100s"}))
+    proc = _layer_cli("--backends", "capacity", "--merge", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok" and set(result["backends"]) == {"capacity"} and result["tokens"] == 256
+
+
 def test_layer_merge_refuses_results_of_another_shape(tmp_path):
     out = tmp_path / "moe_layer.json"
     out.write_text(json.dumps({"tokens": 999, "d": 64, "experts": 8, "topk": 2, "width": 32, "capacity_factor": 1.15,
                                "backends": {}}))
-    proc = subprocess.run([sys.executable, str(BENCH / "moe_layer.py"), "--tokens", "256", "--d", "64", "--experts",
-                           "8", "--topk", "2", "--width", "32", "--backends", "", "--merge", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = _layer_cli("--backends", "", "--merge", "--out", str(out))
     assert proc.returncode != 0 and "another shape (tokens=999" in proc.stderr
     assert json.loads(out.read_text())["tokens"] == 999  # left as it was
