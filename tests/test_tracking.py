@@ -125,11 +125,15 @@ def test_wandb_sink_made_again_for_the_same_out_continues_the_same_run(run, tmp_
     assert run_dir.name.endswith(first_id)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    sink = tracking.WandbSink(tmp_path, {"name": "x"}, "x")
-    again = tracking.WandbSink(tmp_path, {"name": "x"}, "x")
-    assert again.run.id == sink.run.id != first_id
-    sink.close()
+    sink = tracking.WandbSink(tmp_path / "a", {"name": "x"}, "x")
+    first = sink.run.id
+    sink.close()  # finished, as at a preemption: W&B would otherwise hand back the active run whatever the id
+    again = tracking.WandbSink(tmp_path / "a", {"name": "x"}, "x")
+    assert again.run.id == first != first_id
     again.close()
+    fresh = tracking.WandbSink(tmp_path / "b", {"name": "x"}, "x")
+    assert fresh.run.id != first, "another OUT is another run"
+    fresh.close()
 
 
 def test_counts_rebuilt_for_a_resume_match_the_sampled_batches():
