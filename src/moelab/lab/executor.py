@@ -124,8 +124,8 @@ class StepOutcome:
     name: str
     version: str
     output_dir: Path
-    action: str  # "ran", "skipped" or "blocked" (a dependency did not succeed)
-    status: str | None  # SUCCESS, FAILED or PREEMPTED; None when blocked
+    action: str  # "ran", "skipped", "blocked" (a dependency did not succeed) or "not started" (preempted run)
+    status: str | None  # SUCCESS, FAILED or PREEMPTED; None when blocked or not started
     waited: bool = False  # another process held the step's lock first
     error: str | None = None  # why it did not succeed: the exception, or what the preemption saved where
     result: Any = None
@@ -456,8 +456,9 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
             on_event: Callable[[dict], None] | None = None) -> list[StepOutcome]:
     """Run every step that is not SUCCESS yet, dependencies first; return one outcome per step.
 
-    A failed or preempted step blocks the steps downstream of it; independent branches still run.
-    A PREEMPTED step runs again in its own directory, to resume. `on_event` gets a dict for each step
+    A failed step blocks the steps downstream of it; independent branches still run. A preempted
+    step means the whole run was asked to stop (SIGTERM / SIGINT), so the local backend starts no
+    further step ("not started"); the next `execute` resumes the PREEMPTED one in its own directory. `on_event` gets a dict for each step
     that starts, finishes, fails, is preempted or is skipped (with Ray, in the worker: it must be
     picklable, e.g. a `functools.partial` of a top-level function).
     """
@@ -467,9 +468,14 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
     if backend == "ray":
         outcomes = _execute_ray(jobs, on_event)
     else:
-        outcomes = {}
+        outcomes, preempted = {}, False
         for job in jobs:
+            if preempted:  # a scheduler's SIGTERM is for the whole process: a new step would be killed mid-run
+                outcomes[job.step.name] = StepOutcome(job.step.name, job.version, job.output_dir, "not started", None,
+                                                      error="the run was preempted before this step started")
+                continue
             outcomes[job.step.name] = _execute_job(job, on_event, *[outcomes[d] for d in job.step.deps])
+            preempted = outcomes[job.step.name].status == PREEMPTED
     return [outcomes[j.step.name] for j in jobs]
 
 
