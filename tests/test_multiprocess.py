@@ -7,6 +7,7 @@ JAX_NUM_PROCESSES and JAX_PROCESS_ID set, exactly as the README tells a user to 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,15 +35,26 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", **extra}
 
 
-def _launch(args: list[str], logs: Path) -> list[subprocess.Popen]:
-    """Both processes of a 2-process `moelab train ARGS`, stdout/stderr to logs/out<i>, logs/err<i>."""
+@contextlib.contextmanager
+def _launched(args: list[str], logs: Path):
+    """Both processes of a 2-process `moelab train ARGS`, stdout/stderr to logs/out<i>, logs/err<i>; on the
+    way out (a failed assert too) any process still running is killed, so none outlives the test."""
     logs.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    return [subprocess.Popen([*MOELAB, "train", *args],
-                             env=_env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-                                      JAX_PROCESS_ID=str(i)),
-                             stdout=open(logs / f"out{i}", "w"), stderr=open(logs / f"err{i}", "w"))
-            for i in range(2)]
+    port = _free_port()  # could be taken before process 0 binds it; then the test fails, loudly
+    with contextlib.ExitStack() as files:
+        procs = [subprocess.Popen([*MOELAB, "train", *args],
+                                  env=_env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                                           JAX_PROCESS_ID=str(i)),
+                                  stdout=files.enter_context(open(logs / f"out{i}", "w")),
+                                  stderr=files.enter_context(open(logs / f"err{i}", "w")))
+                 for i in range(2)]
+        try:
+            yield procs
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
 
 
 def _printed(path: Path) -> list[str]:
@@ -53,9 +65,7 @@ def _printed(path: Path) -> list[str]:
 def _wait(procs: list[subprocess.Popen], logs: Path, timeout: float = 240) -> list[int]:
     try:
         return [p.wait(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+    except subprocess.TimeoutExpired:  # `_launched` kills them
         raise AssertionError("the processes hung: " + (logs / "err0").read_text()[-2000:]
                              + (logs / "err1").read_text()[-2000:]) from None
 
@@ -65,7 +75,8 @@ def test_two_processes_train_like_one_process_on_two_devices_and_only_process_0_
     """Data parallel across the hosts, or experts sharded across them (`ep`'s all-to-all between processes)."""
     args = [*TRAIN, "--mesh", mesh, "--steps", "4", "--set", "train.log_every=2"]
     logs = tmp_path / "logs"
-    codes = _wait(_launch([*args, "--out", str(tmp_path / "run")], logs), logs)
+    with _launched([*args, "--out", str(tmp_path / "run")], logs) as procs:
+        codes = _wait(procs, logs)
     assert codes == [0, 0], (logs / "err0").read_text()[-3000:] + (logs / "err1").read_text()[-3000:]
     [printed] = _printed(logs / "out0")
     summary = json.loads(printed)
@@ -91,20 +102,20 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step_and_both_resume(tmp
                 "--out", str(tmp_path / "run")]
 
     logs = tmp_path / "logs"
-    procs = _launch(args(400), logs)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # training, past the compile
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (logs / "err0").read_text()
-        time.sleep(0.2)
-    procs[1].send_signal(signal.SIGTERM)
-    codes = _wait(procs, logs)
+    with _launched(args(400), logs) as procs:
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # training, past the compile
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (logs / "err0").read_text()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)
+        codes = _wait(procs, logs)
     assert codes == [75, 75], (logs / "err0").read_text()[-3000:] + (logs / "err1").read_text()[-3000:]
     stopped = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(stopped) == 1 and 3 <= stopped[0] < 400
 
-    procs = _launch(args(stopped[0] + 2), tmp_path / "logs2")
-    codes = _wait(procs, tmp_path / "logs2")
+    with _launched(args(stopped[0] + 2), tmp_path / "logs2") as procs:
+        codes = _wait(procs, tmp_path / "logs2")
     assert codes == [0, 0], (tmp_path / "logs2" / "err0").read_text()[-3000:]
     summary = json.loads(_printed(tmp_path / "logs2" / "out0")[-1])
     assert summary["resumed_from"] == stopped[0] and summary["step"] == stopped[0] + 2
