@@ -182,6 +182,9 @@ def timed_with_attention(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict
                 timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s)
             return timing, {"attention": "xla", "attention_note": f"cudnn failed: {type(e).__name__}: {str(e)[:500]}"}
     declined = [str(w.message) for w in caught if "attention declined" in str(w.message)]
+    for w in caught:  # the rest were only caught along: let them through
+        if "attention declined" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if declined:
         return timing, {"attention": "xla", "attention_note": declined[0][:500]}
     return timing, {"attention": wanted}

@@ -15,8 +15,9 @@ is also the data cursor (the sampler is keyed on (seed, step)); the seed travels
 
 Multi-host: every process calls `save` and `restore_newest`; Orbax writes each process's shards and
 ends a save with a barrier once the step is complete. Only process 0 (`is_writer`) then writes the
-manifest, and no process waits for it during the run. At restore every process checks the manifest
-itself, so all of them pick the same step.
+manifest, and no process waits for it during the run. At restore, process 0 alone checks a step's
+manifest (hashing every file once, not once per host) and tells the others; a restore that fails on
+any process is skipped by all of them, so every process resumes from the same step.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from moelab.config import CheckpointConfig
 from moelab.parallel import mesh as mesh_lib
@@ -54,6 +57,21 @@ def _digest(step_dir: Path) -> dict[str, str]:
     for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
         out[str(path.relative_to(step_dir))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
+
+
+def _from_process_0(check: Callable[[], bool]) -> bool:
+    """`check()` as process 0 answers it, on every process; only process 0 runs it."""
+    if jax.process_count() == 1:
+        return check()
+    answer = check() if jax.process_index() == 0 else False
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(answer)))
+
+
+def _on_every_process(flag: bool) -> bool:
+    """Whether `flag` holds on every process."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
 
 
 class Checkpointer:
@@ -105,16 +123,18 @@ class Checkpointer:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in self.steps():
             step_dir = self.directory / str(step)
-            if not self.is_valid(step):
+            if not _from_process_0(lambda: self.is_valid(step)):
                 warnings.warn(f"checkpoint {step_dir} is incomplete or corrupted (its files do not match "
                               f"{MANIFEST}); skipping it and trying the previous one.", CheckpointWarning,
                               stacklevel=2)
                 continue
             args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             try:
-                restored = self._manager.restore(step, args=args)
+                restored, error = self._manager.restore(step, args=args), None
             except Exception as e:  # Orbax raises many types; any failure means "not usable"
-                warnings.warn(f"checkpoint {step_dir} could not be restored ({type(e).__name__}: {e}); "
+                restored, error = None, f"{type(e).__name__}: {e}"
+            if not _on_every_process(error is None):
+                warnings.warn(f"checkpoint {step_dir} could not be restored ({error or 'on another process'}); "
                               "skipping it and trying the previous one.", CheckpointWarning, stacklevel=2)
                 continue
             return Restored(step, restored.state, dict(restored.meta))
