@@ -394,6 +394,13 @@ def test_bad_mesh_exits_2_naming_the_numbers_and_writes_nothing(mesh, sets, mess
         assert "tiny" not in err and "loading data" not in err, err
 
 
+def test_grouped_dispatch_on_several_devices_is_rejected_by_name(monkeypatch, capsys, tmp_path):
+    code, _, err = _run_cli(["train", "--preset", "tiny", "--mesh", "replica=2", "--set", "model.moe.dispatch=grouped",
+                             "--out", str(tmp_path / "out")], monkeypatch, capsys)
+    assert code == 2 and "model.moe.dispatch='grouped' runs on one device, but the mesh has 2" in " ".join(err.split())
+    assert not (tmp_path / "out").exists()
+
+
 def test_expert_sharded_mesh_without_the_ep_backend_is_rejected_by_name(tmp_path):
     cfg = dataclasses.replace(presets.get("tiny"), mesh=MESHES["2x4"])  # tiny uses dispatch "capacity"
     with pytest.raises(ConfigError, match="dispatch='capacity' cannot run with mesh.expert=4"):
