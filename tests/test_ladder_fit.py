@@ -246,6 +246,17 @@ def test_bands_are_quantiles_of_the_refits_plus_student_t_run_and_checkpoint_noi
     np.testing.assert_allclose(bands["loss_pred"], curve_loss(TRUE, run))
 
 
+def test_a_band_wide_enough_to_reach_below_zero_stops_at_zero():
+    """A run spread on one degree of freedom (a Cauchy: 12.7 sd to its 97.5% point) spans several nats,
+    but a cross-entropy cannot be negative; the upper side is untouched."""
+    run = Run("x", 1e7, np.arange(20, 501, 20), np.arange(20, 501, 20) * 1e4, np.full(25, 1e-3))
+    bootstrap = CurveBootstrap((TRUE,) * 20, run_sd=0.3, run_dof=1, checkpoint_sd=0.005, checkpoint_dof=200)
+    bands = predict_with_bands(TRUE, bootstrap, run)
+    assert np.all(bands["loss_pred"] - 12.7 * 0.3 < 0), "the unclipped band would reach below zero"
+    np.testing.assert_array_equal(bands["lo95"], 0.0)
+    assert np.all(bands["hi95"] > bands["loss_pred"] + 12 * 0.3)
+
+
 def test_bands_cover_held_out_runs_at_about_their_nominal_rate():
     """Four ladders with run offsets (sd 0.01, shared by a run's rows) and checkpoint noise (0.005);
     per ladder ten held-out runs: eight at new sizes inside the ladder, two at 2x its largest.
@@ -487,6 +498,7 @@ def test_fit_curves_notes_a_run_spread_resting_on_under_two_degrees_of_freedom(t
         assert noted == (0 < dof < 2), (num_rungs, dof, summary["notes"])
         if num_rungs == 4:
             assert noted, dof
+
 
 
 def test_fit_curves_rejects_too_few_bootstrap_samples_as_a_config_error(curves_csv, target_csv, tmp_path):

@@ -203,7 +203,9 @@ def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run) -> di
     """`BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring."""
     centres = curve_losses(bootstrap.laws, run)
     quantiles = _mixture_quantiles(centres, _noise_cdf(bootstrap), list(_QUANTILES.values()))
-    bands = dict(zip(_QUANTILES, quantiles))
+    # A cross-entropy is never negative: the additive noise model's tail below 0 (a band resting on
+    # one or two degrees of freedom reaches there) is mass at 0, so quantiles there read 0.
+    bands = {k: np.maximum(q, 0.0) for k, q in zip(_QUANTILES, quantiles)}
     unknown = np.isnan(centres).any(0)  # rows before any tokens: the law has no value there
     return {"loss_pred": curve_loss(law, run), **{k: np.where(unknown, np.nan, bands[k]) for k in BAND_COLUMNS[1:]}}
 
