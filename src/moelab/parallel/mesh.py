@@ -27,11 +27,12 @@ own files and logs, so hosts sharing an output directory do not each append the 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from moelab.config import ConfigError, MeshConfig, RunConfig
@@ -42,6 +43,9 @@ __all__ = [
     "EXPERT_WEIGHTS",
     "initialize_distributed",
     "is_writer",
+    "on_any_process",
+    "on_every_process",
+    "from_process_0",
     "make_mesh",
     "check_dispatch",
     "param_spec",
@@ -87,6 +91,28 @@ def initialize_distributed(environ: Mapping[str, str] = os.environ) -> bool:
         jax.distributed.initialize()
         return True
     return False
+
+
+def on_any_process(flag: bool) -> bool:
+    """Whether `flag` holds on some process (a tiny all-gather; just `flag` on one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def on_every_process(flag: bool) -> bool:
+    """Whether `flag` holds on every process (a tiny all-gather; just `flag` on one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def from_process_0(check: Callable[[], bool]) -> bool:
+    """`check()` as process 0 answers it, on every process; only process 0 runs it."""
+    if jax.process_count() == 1:
+        return check()
+    answer = check() if jax.process_index() == 0 else False
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(answer)))
 
 
 def is_writer() -> bool:

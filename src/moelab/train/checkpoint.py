@@ -26,12 +26,10 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from moelab.config import CheckpointConfig
 from moelab.parallel import mesh as mesh_lib
@@ -57,21 +55,6 @@ def _digest(step_dir: Path) -> dict[str, str]:
     for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
         out[str(path.relative_to(step_dir))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
-
-
-def _from_process_0(check: Callable[[], bool]) -> bool:
-    """`check()` as process 0 answers it, on every process; only process 0 runs it."""
-    if jax.process_count() == 1:
-        return check()
-    answer = check() if jax.process_index() == 0 else False
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(answer)))
-
-
-def _on_every_process(flag: bool) -> bool:
-    """Whether `flag` holds on every process."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
 
 
 class Checkpointer:
@@ -123,7 +106,7 @@ class Checkpointer:
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in self.steps():
             step_dir = self.directory / str(step)
-            if not _from_process_0(lambda: self.is_valid(step)):
+            if not mesh_lib.from_process_0(lambda: self.is_valid(step)):
                 warnings.warn(f"checkpoint {step_dir} is incomplete or corrupted (its files do not match "
                               f"{MANIFEST}); skipping it and trying the previous one.", CheckpointWarning,
                               stacklevel=2)
@@ -133,7 +116,7 @@ class Checkpointer:
                 restored, error = self._manager.restore(step, args=args), None
             except Exception as e:  # Orbax raises many types; any failure means "not usable"
                 restored, error = None, f"{type(e).__name__}: {e}"
-            if not _on_every_process(error is None):
+            if not mesh_lib.on_every_process(error is None):
                 warnings.warn(f"checkpoint {step_dir} could not be restored ({error or 'on another process'}); "
                               "skipping it and trying the previous one.", CheckpointWarning, stacklevel=2)
                 continue

@@ -219,17 +219,6 @@ def _stop_requests():
             signal.signal(sig, old)
 
 
-def _agreed_stop(stop: dict) -> bool:
-    """Whether every process stops after this step: a signal seen by this process or, on a multi-host
-    run, by any other. They must stop together, since saving the checkpoint is a collective: a host
-    that stopped alone would wait forever for the others. The flags travel in a tiny all-gather; the
-    loop already waits for each step's metrics, so it adds no sync of its own."""
-    stopping = stop["signal"] is not None
-    if jax.process_count() == 1:
-        return stopping
-    return bool(np.any(multihost_utils.process_allgather(np.int32(stopping))))
-
-
 _LOGS = ("metrics.jsonl", "incidents.jsonl", "mixture_log.jsonl", "samples.jsonl", "router_load.jsonl")
 
 
@@ -405,7 +394,10 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
                     hooks.on_log(record)
                 window_start, window_steps = time.perf_counter(), 0
             every = cfg.checkpoint.every
-            stopping = _agreed_stop(stop)
+            # Every process stops after this step if any saw a signal: saving the checkpoint is a collective,
+            # so a host that stopped alone would wait forever. The loop already waits for each step's
+            # metrics, so the flags' all-gather adds no sync of its own.
+            stopping = mesh_lib.on_any_process(stop["signal"] is not None)
             if stopping or done == t.steps or (every and done % every == 0):
                 path = save(done)
                 if stopping and done < t.steps:
