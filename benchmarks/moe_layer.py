@@ -128,18 +128,13 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
 
 def _swiglu_buffers(buf, w_gate, w_up, w_down):
     """The `capacity` backend's expert matmuls on [E, C, d] buffers."""
-    gate = jnp.einsum("ecd,edf->ecf", buf, w_gate)
-    up = jnp.einsum("ecd,edf->ecf", buf, w_up)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down)
+    return dispatch_lib.swiglu_buffers(buf, {"w_gate": w_gate, "w_up": w_up, "w_down": w_down})
 
 
-def _swiglu_grouped(rows, w_gate, w_up, w_down, block_expert, group_offsets, on_gpu):
+def _swiglu_grouped(rows, w_gate, w_up, w_down, block_expert, group_offsets):
     """The `grouped` backend's expert matmuls on block-padded rows, with its default tiles."""
-    def gmm(x, w):
-        tiles = dispatch_lib.grouped_tiles(w.shape[1], w.shape[2], on_gpu)
-        return grouped_matmul.gmm(x, w, block_expert, group_offsets, **tiles)
-
-    return gmm(jax.nn.silu(gmm(rows, w_gate)) * gmm(rows, w_up), w_down)
+    experts = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    return dispatch_lib.grouped_swiglu(rows, experts, block_expert, group_offsets)
 
 
 def _time_matmuls(swiglu, rows_shape, cfg: ModelConfig, iters: int, budget_s: float, *extra) -> dict:
@@ -178,12 +173,11 @@ def breakdown(backend: str, args, flops: int) -> dict:
         parts["expert_matmuls"] = _time_matmuls(_swiglu_buffers, (args.experts, C, args.d), cfg, args.iters,
                                                 args.budget_s)
     else:
-        on_gpu = jax.default_backend() == "gpu"
-        block_m = dispatch_lib.grouped_tiles(args.d, args.width, on_gpu)["block_m"]
+        block_m = dispatch_lib.grouped_tiles(args.d, args.width, jax.default_backend() == "gpu")["block_m"]
         counts = jnp.full((args.experts,), A // args.experts, jnp.int32).at[0].add(A % args.experts)
         _, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, block_m)
         parts["expert_matmuls"] = _time_matmuls(_swiglu_grouped, (M, args.d), cfg, args.iters, args.budget_s,
-                                                block_expert, group_offsets, on_gpu)
+                                                block_expert, group_offsets)
     parts["expert_matmuls"]["useful_tflops_per_s"] = flops / parts["expert_matmuls"]["seconds"] / 1e12
     return parts
 

@@ -33,6 +33,7 @@ from moelab.model import grouped_matmul
 from moelab.model.router import Routing, expert_load
 
 __all__ = ["BACKENDS", "EXPERT_MATMUL", "dense", "capacity", "dropless", "grouped", "dispatch", "expert_capacity", "grouped_tiles",
+           "grouped_swiglu", "swiglu_buffers",
            "take_rows"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
@@ -154,6 +155,14 @@ def dense(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, 
     return out, _stats(routing, E, 0.0)
 
 
+def swiglu_buffers(buf: jax.Array, experts: Experts) -> jax.Array:
+    """[E, C, Din] buffer rows through their own expert's SwiGLU -> [E, C, Din]: batched einsums, the
+    expert matmuls of `capacity` and of `ep`'s receivers."""
+    gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
+    up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])
+
+
 def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float) -> int:
     """Rows per expert buffer: C = ceil(capacity_factor * assignments / E), at least 1.
 
@@ -193,9 +202,7 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
     slot_assignment = jnp.full((E * C + 1,), T * k, jnp.int32).at[slot].set(order)[: E * C]
 
     buf = take_rows(h, slot_assignment // k, assignment_slot).reshape(E, C, h.shape[1])  # [E, C, Din]
-    gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
-    up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
-    y = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])  # [E, C, Din]
+    y = swiglu_buffers(buf, experts)  # [E, C, Din]
     rows = take_rows(y.reshape(E * C, -1), assignment_slot, slot_assignment)  # [T * k, Din]
     dropped = jnp.sum(jnp.maximum(counts - C, 0))
     return _combine(rows, routing), _stats(routing, E, dropped)
@@ -242,6 +249,23 @@ def grouped_tiles(k_dim: int, n_dim: int, on_gpu: bool) -> dict[str, int]:
             "block_n": _largest_tile(n_dim, 128), "block_k": _largest_tile(k_dim, 64)}
 
 
+def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, group_offsets: jax.Array,
+                   tiles: dict[str, int] | None = None) -> jax.Array:
+    """Block-padded rows [M, Din] through their block's expert SwiGLU with the Pallas `gmm` -> [M, Din].
+
+    `tiles` (all three matmuls) or, if None, `grouped_tiles` per matmul; the layout's block_m must
+    match. Outputs are named `EXPERT_MATMUL` for the remat policy.
+    """
+    on_gpu = jax.default_backend() == "gpu"
+
+    def gmm(x, w):
+        w_tiles = tiles or grouped_tiles(w.shape[1], w.shape[2], on_gpu)
+        return checkpoint_name(grouped_matmul.gmm(x, w, block_expert, group_offsets, **w_tiles), EXPERT_MATMUL)
+
+    hidden = jax.nn.silu(gmm(rows, experts["w_gate"])) * gmm(rows, experts["w_up"])
+    return gmm(hidden, experts["w_down"])
+
+
 def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
             ) -> tuple[jax.Array, Stats]:
     """Dropless dispatch through the Pallas grouped GEMM over block-padded expert groups.
@@ -258,24 +282,15 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     """
     T, k = routing.expert_idx.shape
     E, Din, F = experts["w_gate"].shape
-    on_gpu = jax.default_backend() == "gpu"
-
-    def tiles_for(w: jax.Array) -> dict[str, int]:
-        return tiles or grouped_tiles(w.shape[1], w.shape[2], on_gpu)
-
+    block_m = (tiles or grouped_tiles(Din, F, jax.default_backend() == "gpu"))["block_m"]
     order, _, counts = _sort_by_expert(routing.expert_idx, E)
-    block_m = tiles_for(experts["w_gate"])["block_m"]  # one row layout for all three matmuls
     row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, T * k, block_m)
     # The padded row of each assignment, and the assignment in each padded row (T k for padding).
     assignment_row = jnp.zeros((T * k,), jnp.int32).at[order].set(row_of_sorted)
     row_assignment = jnp.full((M,), T * k, jnp.int32).at[row_of_sorted].set(order)
 
-    def gmm(x, w):
-        return checkpoint_name(grouped_matmul.gmm(x, w, block_expert, group_offsets, **tiles_for(w)), EXPERT_MATMUL)
-
     x = take_rows(h, row_assignment // k, assignment_row)  # [M, Din]; padding rows are zero
-    hidden = jax.nn.silu(gmm(x, experts["w_gate"])) * gmm(x, experts["w_up"])
-    y = gmm(hidden, experts["w_down"])  # [M, Din]
+    y = grouped_swiglu(x, experts, block_expert, group_offsets, tiles)  # [M, Din]
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 

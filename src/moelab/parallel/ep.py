@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moelab.config import MoEConfig
-from moelab.model.dispatch import expert_capacity, take_rows
+from moelab.model.dispatch import expert_capacity, swiglu_buffers, take_rows
 from moelab.model.moe import EPDispatch
 from moelab.model.router import Routing, expert_load
 from moelab.parallel.mesh import BATCH_AXES
@@ -151,13 +151,6 @@ def receiver_slots(ids: jax.Array, experts_per_shard: int, capacity: int) -> jax
     return jnp.where(kept, ids * C + rank, El * C).astype(jnp.int32)
 
 
-def _swiglu(buf: jax.Array, experts: Experts) -> jax.Array:
-    """[E_l, C, Din] rows through their own expert's SwiGLU -> [E_l, C, Din]."""
-    gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
-    up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])
-
-
 def _run_wave(rows: jax.Array, ids: jax.Array, experts: Experts, capacity: int) -> tuple[jax.Array, jax.Array]:
     """Receiver side of one wave: received rows -> expert outputs in the same [X, P, Din] layout.
 
@@ -170,7 +163,7 @@ def _run_wave(rows: jax.Array, ids: jax.Array, experts: Experts, capacity: int) 
     # The received row filling each buffer slot; X P (a zero row) where none does.
     fill = jnp.full((El * capacity + 1,), X * Pl, jnp.int32).at[slot].set(jnp.arange(X * Pl, dtype=jnp.int32))[:-1]
     buf = take_rows(rows.reshape(X * Pl, Din), fill, slot).reshape(El, capacity, Din)
-    y = _swiglu(buf, experts).reshape(El * capacity, Din)
+    y = swiglu_buffers(buf, experts).reshape(El * capacity, Din)
     out = take_rows(y, slot, fill)  # empty and dropped rows (slot El C) read zero
     return out.reshape(X, Pl, Din), slot.reshape(X, Pl)
 
