@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -15,8 +14,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds
-from moelab import cli, presets
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, run_cli
+from moelab import presets
 from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_yaml, override
 from moelab.data.mixture import phase_at, sample_batch
 from moelab.model import dispatch as dispatch_lib
@@ -303,17 +302,6 @@ def _loss_curve(cfg, corpus) -> np.ndarray:
     return np.array(jax.device_get(losses))
 
 
-def _run_cli(args, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["moelab", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_train_command_on_the_2x4_mesh_follows_the_single_device_loss_curve(monkeypatch, capsys, tmp_path):
     """50 steps of `moelab train --mesh replica=2,expert=4` against the same run on one device with
     the dense reference backend: same data, same init, nothing dropped, so only float32 summation
@@ -328,7 +316,7 @@ def test_train_command_on_the_2x4_mesh_follows_the_single_device_loss_curve(monk
             "model.moe.capacity_factor": NO_DROPS, "model.moe.transport_capacity_factor": NO_DROPS}
     args = ["train", "--preset", "tiny", "--mesh", "replica=2,expert=4", "--steps", "50", "--out", str(tmp_path),
             *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
-    code, out, err = _run_cli(args, monkeypatch, capsys)
+    code, out, err = run_cli(args, monkeypatch, capsys)
     assert code == 0, err
     assert json.loads(out)["step"] == 50
     cfg = load_yaml(tmp_path / "config.yaml")
@@ -385,7 +373,7 @@ def test_multi_host_start_needs_all_three_variables_and_is_a_no_op_without_them(
 )
 def test_bad_mesh_exits_2_naming_the_numbers_and_writes_nothing(mesh, sets, message, monkeypatch, capsys, tmp_path):
     out_dir = tmp_path / "out"
-    code, _, err = _run_cli(["train", "--preset", "tiny", "--mesh", mesh, *sets, "--out", str(out_dir)],
+    code, _, err = run_cli(["train", "--preset", "tiny", "--mesh", mesh, *sets, "--out", str(out_dir)],
                             monkeypatch, capsys)
     assert code == 2
     assert message in " ".join(err.split()), err
@@ -395,7 +383,7 @@ def test_bad_mesh_exits_2_naming_the_numbers_and_writes_nothing(mesh, sets, mess
 
 
 def test_grouped_dispatch_on_several_devices_is_rejected_by_name(monkeypatch, capsys, tmp_path):
-    code, _, err = _run_cli(["train", "--preset", "tiny", "--mesh", "replica=2", "--set", "model.moe.dispatch=grouped",
+    code, _, err = run_cli(["train", "--preset", "tiny", "--mesh", "replica=2", "--set", "model.moe.dispatch=grouped",
                              "--out", str(tmp_path / "out")], monkeypatch, capsys)
     assert code == 2 and "model.moe.dispatch='grouped' runs on one device, but the mesh has 2" in " ".join(err.split())
     assert not (tmp_path / "out").exists()
