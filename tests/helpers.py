@@ -2,6 +2,8 @@
 
 import sys
 
+import numpy as np
+
 
 def run_cli(args, monkeypatch, capsys):
     """Run `moelab ARGS` in-process as a user would; returns (exit code, stdout, stderr)."""
@@ -46,3 +48,22 @@ def dispatch_gradient_jaxpr(dispatch_fn, cfg, num_tokens: int) -> str:
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
     return str(jax.make_jaxpr(grad)(x.astype(jnp.bfloat16), routing.weights, experts))
+
+
+def relative_error(a, b) -> float:
+    """max|a - b| / max|b| in float64; NaN (which fails every `<` check) if either holds a NaN or inf.
+
+    Relative to the tensor's largest entry, not elementwise: an entry near zero by cancellation has a
+    huge elementwise relative error from rounding alone. The backends add the same products in
+    different orders (buffers, ragged groups, masked dense sums, per-device partial sums), so they
+    agree to float32 rounding (~1e-7 per op, ~1e-6 after a few layers), not bit for bit; 1e-5 leaves
+    that margin and still catches any wrong row, weight or expert, which shows up at order 1. NumPy's
+    max propagates NaN; XLA's max on CPU can skip it, which once hid unwritten (NaN) kernel outputs.
+    """
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        return float("nan")
+    scale = np.max(np.abs(b))
+    if scale == 0.0:
+        return float(np.max(np.abs(a)))
+    return float(np.max(np.abs(a - b)) / scale)

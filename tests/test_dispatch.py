@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, relative_error
 from moelab.config import ConfigError, ModelConfig, MoEConfig
 from moelab.model import dispatch as dispatch_lib
 from moelab.model import moe, transformer
@@ -56,28 +56,12 @@ def _seed(router_score: str, latent: bool, shared: bool) -> int:
     return 4 * ROUTER_SCORES.index(router_score) + 2 * latent + shared
 
 
-def _relative_error(a: jax.Array, b: jax.Array) -> float:
-    """max|a - b| / max|b|.
-
-    Relative to the tensor's largest entry, not elementwise: an entry near zero by cancellation has a
-    huge elementwise relative error from rounding alone. The backends add the same products in
-    different orders (buffers, ragged groups, masked dense sums), so they agree to float32 rounding
-    (~1e-7 per op, ~1e-6 after a few layers), not bit for bit; 1e-5 leaves that margin and still
-    catches any wrong row, weight or expert, which shows up at order 1.
-    """
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.max(np.abs(b))
-    if scale == 0.0:
-        return float(np.max(np.abs(a)))
-    return float(np.max(np.abs(a - b)) / scale)
-
-
 def _assert_trees_close(got, want, what: str) -> None:
     flat_got = jax.tree_util.tree_leaves_with_path(got)
     flat_want = jax.tree_util.tree_leaves(want)
     assert len(flat_got) == len(flat_want)
     for (path, g), w in zip(flat_got, flat_want):
-        err = _relative_error(g, w)
+        err = relative_error(g, w)
         assert err < 1e-5, f"{what} {jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
@@ -115,7 +99,7 @@ def test_backend_matches_dense_in_loss_and_every_parameter_gradient(backend, rou
         (ref_loss, ref_aux), ref_grads = grad_fn(params, tokens, _with_backend(cfg, "dense"), bias)
     assert float(aux["drop_fraction"]) == 0.0
     np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
-    assert _relative_error(loss, ref_loss) < 1e-5
+    assert relative_error(loss, ref_loss) < 1e-5
     _assert_trees_close(grads, ref_grads, "d loss /")
 
 
@@ -137,7 +121,7 @@ def test_moe_layer_alone_matches_dense_in_output_and_gradients(backend, router_s
     with jax.disable_jit():
         grads, y = grad_fn(params, x, cfg)
         ref_grads, ref_y = grad_fn(params, x, _with_backend(cfg, "dense"))
-    assert _relative_error(y, ref_y) < 1e-5
+    assert relative_error(y, ref_y) < 1e-5
     _assert_trees_close(grads, ref_grads, "d out /")
 
 
@@ -158,7 +142,7 @@ def test_dense_reference_matches_a_per_token_loop_in_numpy():
             e = idx[t, j]
             gate, up = hn[t] @ w["w_gate"][e], hn[t] @ w["w_up"][e]
             ref[t] += weights[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ w["w_down"][e])
-    assert _relative_error(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
     assert float(stats["dropped"]) == 0.0 and float(stats["assignments"]) == B * S * K
 
 
@@ -219,8 +203,8 @@ def test_capacity_output_equals_dense_with_dropped_assignments_zeroed(router_sco
     zeroed = routing._replace(weights=jnp.where(dropped, 0.0, routing.weights))
     ref, _ = dispatch_lib.dense(x, zeroed, experts)
     full, _ = dispatch_lib.dense(x, routing, experts)
-    assert _relative_error(out, ref) < 1e-5
-    assert _relative_error(out, full) > 1e-2, "dropping should change the output"
+    assert relative_error(out, ref) < 1e-5
+    assert relative_error(out, full) > 1e-2, "dropping should change the output"
 
 
 def test_dispatch_rejects_a_backend_it_does_not_know():
@@ -251,7 +235,7 @@ def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
     y, _ = moe.apply(params, x, jnp.zeros((E,)), cfg, ep_dispatch=ep_dispatch)
     ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"))
     assert calls == [(B * S, 16)]  # the latent-width rows
-    assert _relative_error(y, ref) < 1e-5
+    assert relative_error(y, ref) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------

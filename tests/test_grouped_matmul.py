@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import relative_error
 from moelab.model.grouped_matmul import gmm, gmm_reference, padded_layout
 
 E, K, N = 4, 32, 64
@@ -32,12 +33,6 @@ def _numpy_layout(counts: tuple[int, ...], block_m: int) -> tuple[np.ndarray, np
         block_expert += [e] * num_blocks
         group_offsets.append(group_offsets[-1] + num_blocks)
     return np.array(row_of_sorted), np.array(block_expert), np.array(group_offsets)
-
-
-def _relative_error(a: jax.Array, b: jax.Array) -> float:
-    """max|a - b| / max|b|: relative to the largest entry, since entries near zero by cancellation carry
-    a large elementwise error from summation order alone."""
-    return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
 def _inputs(dtype=jnp.float32):
@@ -70,12 +65,14 @@ def test_padded_layout_matches_a_numpy_construction(counts):
     np.testing.assert_array_equal(block_expert, np.concatenate([want_used_blocks, np.full(unused, len(counts))]))
 
 
-def test_gmm_matches_reference_values_and_gradients_in_float32():
+@pytest.mark.parametrize("rows_together", [True, False])
+def test_gmm_matches_reference_values_and_gradients_in_float32(rows_together):
+    """Both launch orders (a 2 x 7 grid, so a swapped index map would read the wrong tiles)."""
     x, w, block_expert, group_offsets, _ = _inputs()
     assert int(group_offsets[-1]) < block_expert.shape[0], "the test needs unused trailing blocks"
 
     def kernel(x, w):
-        return gmm(x, w, block_expert, group_offsets, **BLOCKS)
+        return gmm(x, w, block_expert, group_offsets, **BLOCKS, rows_together=rows_together)
 
     def reference(x, w):
         return gmm_reference(x, w, block_expert)
@@ -85,9 +82,9 @@ def test_gmm_matches_reference_values_and_gradients_in_float32():
     dy = jax.random.normal(jax.random.key(1), y.shape)
     # Only the float32 summation order differs (K in block_k chunks, dw over row blocks).
     tolerance = 1e-5
-    assert _relative_error(y, y_ref) < tolerance
+    assert relative_error(y, y_ref) < tolerance
     for got, want in zip(vjp(dy), vjp_ref(dy)):
-        assert _relative_error(got, want) < tolerance
+        assert relative_error(got, want) < tolerance
     dw = vjp(dy)[1]
     np.testing.assert_array_equal(dw[1], 0.0)  # the expert with no rows gets no gradient
 
@@ -106,7 +103,7 @@ def test_gmm_matches_reference_in_bfloat16():
     y = gmm(x, w, block_expert, group_offsets, **BLOCKS)
     assert y.dtype == jnp.bfloat16
     # Both accumulate in float32 and round once to bf16 (8 mantissa bits): one ulp apart at most.
-    assert _relative_error(y.astype(jnp.float32), gmm_reference(x, w, block_expert).astype(jnp.float32)) < 2**-7
+    assert relative_error(y.astype(jnp.float32), gmm_reference(x, w, block_expert).astype(jnp.float32)) < 2**-7
 
 
 @pytest.mark.parametrize(
@@ -125,16 +122,27 @@ def test_gmm_rejects_bad_block_sizes_naming_the_argument(blocks, message):
         gmm(x, w, block_expert, group_offsets, **blocks)
 
 
-def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda():
+# CUDA launch grids (x, y, z) of the export below: 8 row blocks of 128, N = 256 in 2 column tiles of 128,
+# K = 256 in 4 tiles of 64 (dx's output columns), 8 experts. x launches fastest.
+LAUNCH_GRIDS = {
+    True: {"gmm": (2, 8, 1), "gmm_dx": (4, 8, 1), "gmm_dw": (4, 2, 8)},  # a row block's (an expert's) tiles together
+    False: {"gmm": (8, 2, 1), "gmm_dx": (8, 4, 1), "gmm_dw": (8, 4, 2)},  # row blocks (experts) fastest
+}
+
+
+@pytest.mark.parametrize("rows_together", [True, False])
+def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda(rows_together):
     """Exporting for CUDA on a CPU-only machine runs the Pallas -> Triton lowering of all three kernels.
 
     The Triton module is serialized into the custom call; Triton's own passes (layouts, pipelining,
     PTX) run only when XLA compiles on a GPU, so this catches unsupported ops, not tile-size limits.
+    The launch grid in each call's config shows which programs run together (the DRAM-traffic order).
     """
     M, K_, N_, E_ = 1024, 256, 256, 8  # a realistic tile config: 8 row blocks, 2-4 column tiles
 
     def loss(x, w, block_expert, group_offsets):
-        y = gmm(x, w, block_expert, group_offsets, block_m=128, block_n=128, block_k=64, interpret=False)
+        y = gmm(x, w, block_expert, group_offsets, block_m=128, block_n=128, block_k=64,
+                rows_together=rows_together, interpret=False)
         return jnp.sum(y.astype(jnp.float32))
 
     args = (
@@ -153,3 +161,7 @@ def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda():
         assert all(TRITON_TARGET in line for line in calls), label
         names = sorted(re.search(r'\bname = "(\w+)"', line).group(1) for line in calls)
         assert names == want_kernels[label], label
+        for line in calls:
+            name = re.search(r'\bname = "(\w+)"', line).group(1)
+            grid = tuple(int(re.search(rf"\bgrid_{axis} = (\d+)", line).group(1)) for axis in "xyz")
+            assert grid == LAUNCH_GRIDS[rows_together][name], (label, name)

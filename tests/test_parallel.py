@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds, run_cli
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, relative_error, run_cli
 from moelab import presets
 from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_yaml, override
 from moelab.data.mixture import phase_at, sample_batch
@@ -52,12 +52,6 @@ def _cfg(dispatch: str, latent: bool, num_waves: int = 1, capacity_factor: float
 NO_DROPS = 1000.0
 
 
-def _relative_error(a, b) -> float:
-    """max|a - b| / max|b|: relative to the tensor's largest entry (see test_dispatch.py for why)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
 # ----------------------------------------------------------------------------------------------
 # equivalence with the dense reference
 #
@@ -70,7 +64,7 @@ def _relative_error(a, b) -> float:
 
 def _assert_close(got, want, what: str) -> None:
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        err = _relative_error(g, w)
+        err = relative_error(g, w)
         assert err < 1e-5, f"{what}{jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
@@ -120,7 +114,7 @@ def test_ep_moe_layer_matches_dense_in_output_and_every_gradient(mesh_name, num_
 
     assert float(stats["dropped"]) == 0.0 and float(stats["kept"]) == B * S * K
     np.testing.assert_array_equal(stats["load"], ref_stats["load"])
-    assert _relative_error(y, ref_y) < 1e-5
+    assert relative_error(y, ref_y) < 1e-5
     assert grads[0]["w_gate"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("expert")), 3)
     _assert_close(grads, ref_grads, "d out / ")
 
@@ -171,7 +165,7 @@ def test_ep_model_matches_dense_in_logits_and_every_parameter_gradient(mesh_name
 
     assert float(aux["drop_fraction"]) == 0.0
     np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
-    assert _relative_error(logits, ref_logits) < 1e-5
+    assert relative_error(logits, ref_logits) < 1e-5
     assert grads["layers"]["w_gate"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "expert")), 4)
     _assert_close(grads, ref_grads, "d out / ")
 
@@ -254,7 +248,7 @@ def test_capacity_factor_one_with_a_skewed_router_drops_at_both_stages_exactly_a
     # The output is the dense reference with exactly those assignments' weights zeroed.
     zeroed = routing._replace(weights=jnp.where(dropped, 0.0, routing.weights))
     ref, _ = dispatch_lib.dense(x, zeroed, experts)
-    assert _relative_error(out, ref) < 1e-5
+    assert relative_error(out, ref) < 1e-5
 
 
 def _round_robin_reference(ids: np.ndarray, experts_per_shard: int, capacity: int) -> np.ndarray:

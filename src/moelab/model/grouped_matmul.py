@@ -9,11 +9,20 @@ block of `block_m` rows belongs to exactly one expert:
     block_expert    0            2             2           3          4 (= E: unused, output zeros)
     group_offsets [0, 1, 1, 3, 4]                                  (expert e owns blocks go[e] .. go[e+1])
 
-`padded_layout` builds this layout from per-expert counts. `gmm` is then a grid over (row block, column
+`padded_layout` builds this layout from per-expert counts. `gmm` is then a grid over (column tile, row
 block); each program reads its expert id from `block_expert` and multiplies its rows by that expert's
 weight tile, accumulating in float32. The backward pass reuses the same kernel with the weight tile
-read transposed (dx = dy w[e]^T) and adds a second kernel over (expert, K tile, N tile) that sums
+read transposed (dx = dy w[e]^T) and adds a second kernel over (K tile, N tile, expert) that sums
 x_b^T dy_b over the expert's row blocks (dw).
+
+Launch order is about DRAM traffic, not correctness. The first grid axis varies fastest in launch order,
+so the programs that share a row block (all its column tiles) run together and read its rows from
+DRAM once, through L2; one expert's whole weight (a few MiB) stays in L2 across its row blocks. With
+row blocks fastest instead, a wave of programs spans hundreds of row blocks (over 100 MiB of rows at
+the issue's layer shape, against 60 MB of L2), so x is re-read from DRAM once per column tile: 8-32
+times per matmul, more bytes than the matmul's arithmetic can hide. `dw` likewise runs one expert's
+(K tile, N tile) programs together, so the expert's rows of x and dy are read once.
+`rows_together=False` keeps the old order (row blocks, in dw experts, fastest) as a benchmark variant.
 
 The Triton backend cannot read array values in BlockSpec index maps (no scalar prefetch), so `w`, the
 integer arrays and, in the dw kernel, `x` and `dy` are passed whole and sliced inside the kernel with
@@ -24,6 +33,7 @@ On GPU, float32 inputs multiply in TF32 (the lowering's DEFAULT precision); bf16
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -85,9 +95,10 @@ def gmm_reference(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Ar
     return y.reshape(x.shape[0], w.shape[2]).astype(x.dtype)
 
 
-def _block_kernel(block_expert_ref, x_ref, w_ref, y_ref, *, num_experts: int, block_c: int, transpose_w: bool):
+def _block_kernel(block_expert_ref, x_ref, w_ref, y_ref, *, num_experts: int, block_c: int, transpose_w: bool,
+                  rows_together: bool):
     """One [bm, bo] tile of y = x_b @ W, W = w[e] ([C, O]) or w[e]^T (w[e] is [O, C]), e = block_expert[b]."""
-    b, j = pl.program_id(0), pl.program_id(1)
+    b, j = _matmul_tile(pl.program_id(0), pl.program_id(1), rows_together)
     e = block_expert_ref[b]
     block_m, block_o = y_ref.shape
     cols = pl.ds(j * block_o, block_o)
@@ -112,31 +123,47 @@ def _block_kernel(block_expert_ref, x_ref, w_ref, y_ref, *, num_experts: int, bl
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def _block_matmul(x, w, block_expert, *, block_m, block_c, block_o, transpose_w, compiler, interpret):
+def _matmul_tile(first, second, rows_together: bool):
+    """(row block, column tile) of the program with these grid ids; the first grid axis launches fastest."""
+    return (second, first) if rows_together else (first, second)
+
+
+def _block_matmul(x, w, block_expert, *, block_m, block_c, block_o, transpose_w, rows_together, compiler,
+                  interpret):
     """[M, C] x (w [E, C, O] or, transposed, [E, O, C]) per row block -> [M, O] in x.dtype."""
     num_rows, c_dim = x.shape
     o_dim = w.shape[1] if transpose_w else w.shape[2]
-    kernel = functools.partial(_block_kernel, num_experts=w.shape[0], block_c=block_c, transpose_w=transpose_w)
+    kernel = functools.partial(_block_kernel, num_experts=w.shape[0], block_c=block_c, transpose_w=transpose_w,
+                               rows_together=rows_together)
+    row_blocks, col_tiles = num_rows // block_m, o_dim // block_o
+
+    def tile(first, second):
+        return _matmul_tile(first, second, rows_together)
+
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, o_dim), x.dtype),
-        # Row blocks vary fastest, so neighbouring programs share a weight column tile (L2 reuse).
-        grid=(num_rows // block_m, o_dim // block_o),
+        grid=(col_tiles, row_blocks) if rows_together else (row_blocks, col_tiles),
         in_specs=[
-            pl.BlockSpec(block_expert.shape, lambda b, j: (0,)),
-            pl.BlockSpec((block_m, c_dim), lambda b, j: (b, 0)),
-            pl.BlockSpec(w.shape, lambda b, j: (0, 0, 0)),
+            pl.BlockSpec(block_expert.shape, lambda *g: (0,)),
+            pl.BlockSpec((block_m, c_dim), lambda *g: (tile(*g)[0], 0)),
+            pl.BlockSpec(w.shape, lambda *g: (0, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((block_m, block_o), lambda b, j: (b, j)),
+        out_specs=pl.BlockSpec((block_m, block_o), tile),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(**compiler),
         name="gmm_dx" if transpose_w else "gmm",
     )(block_expert, x, w)
 
 
-def _dw_kernel(group_offsets_ref, x_ref, dy_ref, dw_ref, *, block_m: int):
+def _dw_tile(first, second, third, rows_together: bool):
+    """(expert, K tile, N tile) of the program with these grid ids; the first grid axis launches fastest."""
+    return (third, first, second) if rows_together else (first, second, third)
+
+
+def _dw_kernel(group_offsets_ref, x_ref, dy_ref, dw_ref, *, block_m: int, rows_together: bool):
     """One [bk, bn] tile of dw[e] = sum over expert e's row blocks b of x_b^T dy_b (zeros if none)."""
-    e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e, i, j = _dw_tile(pl.program_id(0), pl.program_id(1), pl.program_id(2), rows_together)
     block_k, block_n = dw_ref.shape
 
     def accumulate(b, acc):
@@ -151,43 +178,64 @@ def _dw_kernel(group_offsets_ref, x_ref, dy_ref, dw_ref, *, block_m: int):
     dw_ref[...] = acc.astype(dw_ref.dtype)
 
 
-def _dw(x, dy, group_offsets, num_experts, *, block_m, block_n, block_k, compiler, interpret):
+def _dw(x, dy, group_offsets, num_experts, *, block_m, block_n, block_k, rows_together, compiler, interpret):
     """dw [E, K, N] in x.dtype from x [M, K] and dy [M, N]."""
     k_dim, n_dim = x.shape[1], dy.shape[1]
+    tiles = (k_dim // block_k, n_dim // block_n)
+
+    def tile(*ids):
+        return _dw_tile(*ids, rows_together)
+
     return pl.pallas_call(
-        functools.partial(_dw_kernel, block_m=block_m),
+        functools.partial(_dw_kernel, block_m=block_m, rows_together=rows_together),
         out_shape=jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), x.dtype),
-        grid=(num_experts, k_dim // block_k, n_dim // block_n),
+        grid=(*tiles, num_experts) if rows_together else (num_experts, *tiles),
         in_specs=[
-            pl.BlockSpec(group_offsets.shape, lambda e, i, j: (0,)),
-            pl.BlockSpec(x.shape, lambda e, i, j: (0, 0)),
-            pl.BlockSpec(dy.shape, lambda e, i, j: (0, 0)),
+            pl.BlockSpec(group_offsets.shape, lambda *g: (0,)),
+            pl.BlockSpec(x.shape, lambda *g: (0, 0)),
+            pl.BlockSpec(dy.shape, lambda *g: (0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_k, block_n), lambda e, i, j: (e, i, j)),
+        out_specs=pl.BlockSpec((None, block_k, block_n), tile),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(**compiler),
         name="gmm_dw",
     )(group_offsets, x, dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _gmm(x, w, block_expert, group_offsets, block_m, block_n, block_k, compiler, interpret):
-    return _block_matmul(x, w, block_expert, block_m=block_m, block_c=block_k, block_o=block_n, transpose_w=False,
-                         compiler=dict(compiler), interpret=interpret)
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """How the three kernels run (hashable: the custom VJP's static argument)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    rows_together: bool
+    interpret: bool
+
+    def kernel_args(self) -> dict:
+        return {"rows_together": self.rows_together, "interpret": self.interpret,
+                "compiler": {"num_warps": self.num_warps, "num_stages": self.num_stages}}
 
 
-def _gmm_fwd(x, w, block_expert, group_offsets, block_m, block_n, block_k, compiler, interpret):
-    y = _gmm(x, w, block_expert, group_offsets, block_m, block_n, block_k, compiler, interpret)
-    return y, (x, w, block_expert, group_offsets)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm(x, w, block_expert, group_offsets, launch: _Launch):
+    return _block_matmul(x, w, block_expert, block_m=launch.block_m, block_c=launch.block_k, block_o=launch.block_n,
+                         transpose_w=False, **launch.kernel_args())
 
 
-def _gmm_bwd(block_m, block_n, block_k, compiler, interpret, residuals, dy):
+def _gmm_fwd(x, w, block_expert, group_offsets, launch: _Launch):
+    return _gmm(x, w, block_expert, group_offsets, launch), (x, w, block_expert, group_offsets)
+
+
+def _gmm_bwd(launch: _Launch, residuals, dy):
     x, w, block_expert, group_offsets = residuals
     # dx contracts over N in block_n steps and writes block_k-wide column tiles of K.
-    dx = _block_matmul(dy, w, block_expert, block_m=block_m, block_c=block_n, block_o=block_k, transpose_w=True,
-                       compiler=dict(compiler), interpret=interpret)
-    dw = _dw(x, dy, group_offsets, w.shape[0], block_m=block_m, block_n=block_n, block_k=block_k,
-             compiler=dict(compiler), interpret=interpret)
+    dx = _block_matmul(dy, w, block_expert, block_m=launch.block_m, block_c=launch.block_n, block_o=launch.block_k,
+                       transpose_w=True, **launch.kernel_args())
+    dw = _dw(x, dy, group_offsets, w.shape[0], block_m=launch.block_m, block_n=launch.block_n,
+             block_k=launch.block_k, **launch.kernel_args())
     return dx, dw, None, None  # integer inputs: no cotangent
 
 
@@ -212,6 +260,7 @@ def gmm(
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    rows_together: bool = True,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Grouped matmul over block-padded expert groups: y_b = x_b @ w[block_expert[b]] per row block b.
@@ -228,6 +277,8 @@ def gmm(
         block_m, block_n, block_k: tile sizes; powers of two >= 16 dividing M, N and K.
         num_warps, num_stages: Triton's launch and software-pipelining depth (GPU only); the
             defaults fit 128 x 128 x 64 bf16 tiles in an H100/H200's shared memory.
+        rows_together: launch the programs that read the same rows together, so those rows come from
+            DRAM once (see the module docstring); False is the row-blocks-fastest order, for comparison.
         interpret: None runs the Pallas interpreter unless the default backend is a GPU.
 
     Returns:
@@ -257,5 +308,5 @@ def gmm(
         interpret = jax.default_backend() != "gpu"
     block_expert = block_expert.astype(jnp.int32)
     group_offsets = group_offsets.astype(jnp.int32)
-    compiler = (("num_warps", num_warps), ("num_stages", num_stages))  # hashable: a static argument
-    return _gmm(x, w, block_expert, group_offsets, block_m, block_n, block_k, compiler, interpret)
+    launch = _Launch(block_m, block_n, block_k, num_warps, num_stages, rows_together, interpret)
+    return _gmm(x, w, block_expert, group_offsets, launch)
