@@ -44,7 +44,7 @@ if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
   LAYER_SHAPE=(--tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 --out "$OUT/moe_layer.json" --json)
   # In two parts, as on the GPU, so the merge is tested too.
   ("$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --backends capacity,grouped --check
-   "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends ep,dropless --grouped-variants 16x32x16w4s3,16x32x16w4s3-rows \
+   "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends ep,dropless --grouped-variants 16x32x16w4s3,16x32x16w4s3-rows-unfused \
        --breakdown) > "$OUT/moe_layer.log" 2>&1 &
   LAYER=$!
   "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1

@@ -15,9 +15,11 @@ memory, say) reports `status` "error" and the others still run.
 
 Where the time goes, without a profiler:
 - `--grouped-variants`: `grouped` again with other Pallas tile sizes (`BMxBNxBKwWARPSsSTAGES`), reported
-  as `grouped[...]`; the fastest is the one to make the default. A `-rows` suffix launches row blocks
-  fastest (`gmm(rows_together=False)`, the order before), which re-reads rows from DRAM once per
-  column tile: its gap to the same tiles without the suffix is what that DRAM traffic costs.
+  as `grouped[...]`; the fastest is the one to make the default. Two suffixes undo one optimisation
+  each, so the gap to the same tiles without it is what that optimisation buys: `-rows` launches row
+  blocks fastest (`gmm(rows_together=False)`), which re-reads rows from DRAM once per column tile;
+  `-unfused` gathers the expert-sorted rows into memory before the kernels (`grouped(fuse_gather=
+  False)`) instead of reading them from the tokens inside the gate and up kernels.
 - `--breakdown`: for `capacity` and `grouped`, the same layer timed in parts: the router alone, the
   whole backend at expert width 16 (sorting, index maps and row moves with next to no matmul work),
   and the expert matmuls alone on ready-made buffers; plus the ideal batched matmul (every expert
@@ -56,7 +58,8 @@ BACKENDS = ("capacity", "grouped", "ep", "dropless")
 # Each fits an H100/H200's 227 KiB of shared memory in all three kernels: the largest per-stage
 # footprint is dx's dy [bm, bn] + w [bk, bn] tile (bf16), times num_stages; 128x256x64 at 3 stages would
 # need 288 KiB, so it runs with 2.
-GROUPED_VARIANTS = ("128x128x64w4s3", "128x128x64w4s3-rows", "128x256x64w8s2", "128x128x32w4s4", "64x128x64w4s3")
+GROUPED_VARIANTS = ("128x128x64w4s3", "128x128x64w4s3-rows", "128x128x64w4s3-unfused", "128x256x64w8s2",
+                    "64x128x64w4s3")
 BREAKDOWN_BACKENDS = ("capacity", "grouped")
 MOVES_WIDTH = 16  # expert width of the "moves" part: the smallest `grouped` accepts
 
@@ -72,15 +75,16 @@ def useful_flops(tokens: int, topk: int, d: int, width: int) -> int:
     return 6 * tokens * topk * 3 * d * width
 
 
-def parse_variant(text: str) -> dict[str, int | bool]:
-    """'128x256x64w8s3[-rows]' -> gmm keyword arguments (block_m/n/k, num_warps, num_stages, rows_together)."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(-rows)?", text)
+def parse_variant(text: str) -> dict:
+    """'128x256x64w8s3[-rows][-unfused]' -> `dispatch.grouped` keyword arguments: `tiles` (gmm's
+    block_m/n/k, num_warps, num_stages, rows_together) and `fuse_gather`."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(-rows)?(-unfused)?", text)
     if not match:
-        raise SystemExit(f"--grouped-variants entry {text!r} is not BMxBNxBKwWARPSsSTAGES[-rows], "
+        raise SystemExit(f"--grouped-variants entry {text!r} is not BMxBNxBKwWARPSsSTAGES[-rows][-unfused], "
                          "e.g. 128x128x64w4s3")
-    *sizes, rows_fastest = match.groups()
-    return {**dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), map(int, sizes))),
-            "rows_together": rows_fastest is None}
+    *sizes, rows_fastest, unfused = match.groups()
+    tiles = dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), map(int, sizes)))
+    return {"tiles": {**tiles, "rows_together": rows_fastest is None}, "fuse_gather": unfused is None}
 
 
 def time_call(fn, args, iters: int, budget_s: float) -> dict:
@@ -263,7 +267,7 @@ def main() -> None:
     args = parser.parse_args()
     variants = GROUPED_VARIANTS if args.grouped_variants == "default" else [
         v for v in args.grouped_variants.split(",") if v]
-    tiles = {v: parse_variant(v) for v in variants}  # fail on a typo before any work
+    grouped_args = {v: parse_variant(v) for v in variants}  # fail on a typo before any work
 
     flops = useful_flops(args.tokens, args.topk, args.d, args.width)
     result = {"benchmark": "moe_layer", "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
@@ -293,9 +297,9 @@ def main() -> None:
     for backend in filter(None, args.backends.split(",")):
         result["backends"][backend] = _guarded(functools.partial(timed_layer, backend))
         save("running")
-    for name, gmm_tiles in tiles.items():
-        def fn(h, routing, experts, capacity_factor, gmm_tiles=gmm_tiles):
-            return dispatch_lib.grouped(h, routing, experts, tiles=gmm_tiles)
+    for name, kwargs in grouped_args.items():
+        def fn(h, routing, experts, capacity_factor, kwargs=kwargs):
+            return dispatch_lib.grouped(h, routing, experts, **kwargs)
         result["backends"][f"grouped[{name}]"] = _guarded(functools.partial(timed_layer, "grouped", fn))
         save("running")
     if args.breakdown:

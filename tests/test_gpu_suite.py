@@ -60,7 +60,7 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     assert matmul["matmul_peak_flops"] > 0 and {"matmul_n", "fraction_of_datasheet"} <= set(matmul)
     layer = json.loads((tmp_path / "moe_layer.json").read_text())
     assert set(layer["backends"]) == {"capacity", "grouped", "dropless", "ep", "grouped[16x32x16w4s3]",
-                                      "grouped[16x32x16w4s3-rows]"}
+                                      "grouped[16x32x16w4s3-rows-unfused]"}
     for backend in layer["backends"].values():
         assert LAYER_KEYS <= set(backend)
     assert layer["check"]["passed"] and layer["check"]["max_relative_error"] < 1e-3  # float32 accumulation
@@ -217,17 +217,22 @@ def test_layer_useful_flops():
 
 
 def test_layer_tile_variants_parse_and_reject_typos():
-    assert moe_layer.parse_variant("128x256x64w8s3") == {"block_m": 128, "block_n": 256, "block_k": 64,
-                                                         "num_warps": 8, "num_stages": 3, "rows_together": True}
-    assert moe_layer.parse_variant("128x256x64w8s3-rows")["rows_together"] is False
+    assert moe_layer.parse_variant("128x256x64w8s3") == {
+        "tiles": {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3,
+                  "rows_together": True},
+        "fuse_gather": True}
+    assert moe_layer.parse_variant("128x256x64w8s3-rows")["tiles"]["rows_together"] is False
+    assert moe_layer.parse_variant("128x256x64w8s3-unfused")["fuse_gather"] is False
+    both = moe_layer.parse_variant("128x256x64w8s3-rows-unfused")
+    assert (both["tiles"]["rows_together"], both["fuse_gather"]) == (False, False)
     for variant in moe_layer.GROUPED_VARIANTS:  # the defaults divide the benchmark's shape (d 2048, width 1024)
-        t = moe_layer.parse_variant(variant)
+        t = moe_layer.parse_variant(variant)["tiles"]
         assert 2048 % t["block_k"] == 0 and 1024 % t["block_n"] == 0 and 1024 % t["block_k"] == 0
         # and fit 227 KiB of shared memory: the largest bf16 tiles per pipeline stage (dx: dy + w; dw: x + dy)
         per_stage = 2 * max(t["block_m"] * t["block_n"] + t["block_k"] * t["block_n"],
                             t["block_m"] * t["block_k"] + t["block_m"] * t["block_n"])
         assert per_stage * t["num_stages"] <= 227 * 1024, variant
-    for typo in ("128x128", "128x128x64w4s3-cols"):
+    for typo in ("128x128", "128x128x64w4s3-cols", "128x128x64w4s3-unfused-rows"):
         with pytest.raises(SystemExit, match="BMxBNxBK"):
             moe_layer.parse_variant(typo)
 

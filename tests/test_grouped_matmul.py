@@ -89,6 +89,67 @@ def test_gmm_matches_reference_values_and_gradients_in_float32(rows_together):
     np.testing.assert_array_equal(dw[1], 0.0)  # the expert with no rows gets no gradient
 
 
+def _gather_inputs(fan_out: int = 2):
+    """Source rows (tokens) read `fan_out` times each through the padded layout, as `grouped` reads h.
+
+    Returns x_src [T + 1, K] (row T zero, for padding), w, the layout, row_index [M] and the inverse
+    [(T + 1) * fan_out] (row T lists no readers), and the token order of the sorted rows.
+    """
+    num_rows = sum(COUNTS)
+    assert num_rows % fan_out == 0
+    T = num_rows // fan_out
+    row_of_sorted, block_expert, group_offsets, num_padded = padded_layout(
+        jnp.array(COUNTS, jnp.int32), num_rows, BLOCKS["block_m"]
+    )
+    token_of_sorted = jax.random.permutation(jax.random.key(2), jnp.arange(num_rows) // fan_out)
+    row_index = jnp.full((num_padded,), T, jnp.int32).at[row_of_sorted].set(token_of_sorted)
+    readers = np.full(((T + 1), fan_out), num_padded)
+    filled = np.zeros(T + 1, int)
+    for row, token in zip(np.asarray(row_of_sorted), np.asarray(token_of_sorted)):
+        readers[token, filled[token]] = row
+        filled[token] += 1
+    k_x, k_w = jax.random.split(jax.random.key(3))
+    x_src = jnp.concatenate([jax.random.normal(k_x, (T, K)), jnp.zeros((1, K))])
+    w = jax.random.normal(k_w, (E, K, N))
+    return x_src, w, block_expert, group_offsets, row_index, jnp.asarray(readers.reshape(-1), jnp.int32)
+
+
+@pytest.mark.parametrize("rows_together", [True, False])
+def test_gmm_with_fused_gather_equals_gathering_first(rows_together):
+    """The kernels reading rows through row_index compute gmm(x_src[row_index]) for each of two weights
+    (gate and up, as `grouped` calls it): values, and gradients for the source rows (summed over both
+    weights and each token's readers) and the weights."""
+    x_src, w, block_expert, group_offsets, row_index, inverse = _gather_inputs()
+    w2 = jax.random.normal(jax.random.key(5), w.shape)
+    T = x_src.shape[0] - 1
+
+    def fused(x_src, w, w2):
+        return gmm(x_src, (w, w2), block_expert, group_offsets, gather=(row_index, inverse), **BLOCKS,
+                   rows_together=rows_together)
+
+    def reference(x_src, w, w2):
+        return tuple(gmm_reference(x_src[row_index], v, block_expert) for v in (w, w2))
+
+    ys, vjp = jax.vjp(fused, x_src, w, w2)
+    ys_ref, vjp_ref = jax.vjp(reference, x_src, w, w2)
+    assert [y.shape for y in ys] == [(row_index.shape[0], N)] * 2
+    dys = tuple(jax.random.normal(jax.random.key(6 + i), y.shape) for i, y in enumerate(ys))
+    (dx, dw, dw2), (dx_ref, dw_ref, dw2_ref) = vjp(dys), vjp_ref(dys)
+    for got, want in zip((*ys, dw, dw2), (*ys_ref, dw_ref, dw2_ref)):
+        assert relative_error(got, want) < 1e-5
+    # Row T is the padding rows' zero row: no reader is listed for it, so it gets no gradient.
+    assert relative_error(dx[:T], dx_ref[:T]) < 1e-5
+    np.testing.assert_array_equal(dx[T], 0.0)
+
+
+def test_gmm_gather_rejects_an_inverse_that_does_not_fit_the_source():
+    x_src, w, block_expert, group_offsets, row_index, inverse = _gather_inputs()
+    with pytest.raises(ValueError, match="readers per row of x"):
+        gmm(x_src, w, block_expert, group_offsets, gather=(row_index, inverse[:-1]), **BLOCKS)
+    with pytest.raises(ValueError, match="a tuple w needs one shape"):
+        gmm(x_src, (w, w[:, :, :32]), block_expert, group_offsets, gather=(row_index, inverse), **BLOCKS)
+
+
 def test_gmm_padded_rows_and_unused_blocks_give_zero_output_rows():
     x, w, block_expert, group_offsets, row_of_sorted = _inputs()
     y = gmm(x, w, block_expert, group_offsets, **BLOCKS)
@@ -111,7 +172,7 @@ def test_gmm_matches_reference_in_bfloat16():
     [
         (dict(block_m=16, block_n=32, block_k=64), r"K \(x.shape\[1\]\)=32 is not divisible by block_k=64"),
         (dict(block_m=16, block_n=128, block_k=16), r"N \(w.shape\[2\]\)=64 is not divisible by block_n=128"),
-        (dict(block_m=32, block_n=32, block_k=16), r"M \(x.shape\[0\]\)=112 is not divisible by block_m=32"),
+        (dict(block_m=32, block_n=32, block_k=16), r"M \(x.shape\[0\].*\)=112 is not divisible by block_m=32"),
         (dict(block_m=16, block_n=32, block_k=8), r"block_k=8 must be a power of two >= 16"),
         (dict(block_m=48, block_n=32, block_k=16), r"block_m=48 must be a power of two >= 16"),
     ],
@@ -130,8 +191,8 @@ LAUNCH_GRIDS = {
 }
 
 
-@pytest.mark.parametrize("rows_together", [True, False])
-def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda(rows_together):
+@pytest.mark.parametrize("rows_together, gather", [(True, False), (False, False), (True, True)])
+def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda(rows_together, gather):
     """Exporting for CUDA on a CPU-only machine runs the Pallas -> Triton lowering of all three kernels.
 
     The Triton module is serialized into the custom call; Triton's own passes (layouts, pipelining,
@@ -140,16 +201,19 @@ def test_gmm_forward_and_backward_lower_to_triton_kernels_for_cuda(rows_together
     """
     M, K_, N_, E_ = 1024, 256, 256, 8  # a realistic tile config: 8 row blocks, 2-4 column tiles
 
-    def loss(x, w, block_expert, group_offsets):
+    R = M // 2 + 1  # with `gather`: source rows read twice each, plus the zero row
+
+    def loss(x, w, block_expert, group_offsets, *gather_maps):
         y = gmm(x, w, block_expert, group_offsets, block_m=128, block_n=128, block_k=64,
-                rows_together=rows_together, interpret=False)
+                rows_together=rows_together, gather=gather_maps or None, interpret=False)
         return jnp.sum(y.astype(jnp.float32))
 
     args = (
-        jax.ShapeDtypeStruct((M, K_), jnp.bfloat16),
+        jax.ShapeDtypeStruct((R if gather else M, K_), jnp.bfloat16),
         jax.ShapeDtypeStruct((E_, K_, N_), jnp.bfloat16),
         jax.ShapeDtypeStruct((M // 128,), jnp.int32),
         jax.ShapeDtypeStruct((E_ + 1,), jnp.int32),
+        *([jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((2 * R,), jnp.int32)] if gather else []),
     )
     # The Triton custom call has no export compatibility guarantee; we export only to lower.
     disabled = [jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]

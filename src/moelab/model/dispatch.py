@@ -15,8 +15,8 @@ Every backend computes the same function (design §3):
   expert's rows padded to a multiple of the row tile, one kernel per matmul. Compiled with Triton on
   GPU; run by the Pallas interpreter elsewhere (correct, slow: for tests and tiny shapes).
 
-Rows move with `take_rows`, a gather whose gradient is also a gather (each map is injective with a
-known inverse), so no backward pass pays for a float scatter-add.
+Rows move with `moelab.model.rows.take_rows`, a gather whose gradient is also a gather (each map is
+injective with a known inverse), so no backward pass pays for a float scatter-add.
 
 The expert-parallel backend lives in `moelab.parallel.ep`; `moelab.model.moe` picks a backend.
 """
@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moelab.model import grouped_matmul
+from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
 __all__ = ["BACKENDS", "EXPERT_MATMUL", "dense", "capacity", "dropless", "grouped", "dispatch", "expert_capacity", "grouped_tiles",
-           "grouped_swiglu", "swiglu_buffers",
-           "take_rows"]
+           "grouped_swiglu", "swiglu_buffers"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
 
@@ -57,44 +57,6 @@ def _stats(routing: Routing, num_experts: int, dropped: jax.Array) -> Stats:
         "dropped": jnp.asarray(dropped, jnp.float32),
         "assignments": jnp.asarray(routing.expert_idx.size, jnp.float32),
     }
-
-
-@jax.custom_vjp
-def take_rows(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-    """Row gather whose gradient is a gather too: out[i] = x[index[i]], zero where index[i] == len(x).
-
-    Autodiff's transpose of a gather is a scatter-add, which a GPU runs with atomics over rows it
-    cannot prove distinct. Every dispatch map here is injective with a known inverse, so the
-    gradient can be gathered instead: `inverse` lists, for each row r of x, the m output rows that
-    read it (a fixed fan-out, padded with len(index), which reads as zero), and
-    dx[r] = sum_j dout[inverse[r m + j]].
-
-    Args:
-        x: [R, D] rows.
-        index: [N] int32 in [0, R]; R selects a zero row.
-        inverse: [R * m] int32 in [0, N]; N selects a zero row. Each out row i with index[i] = r < R
-            must appear exactly once in inverse[r m : (r + 1) m], and nothing else may.
-
-    Returns:
-        [N, D] in x's dtype.
-    """
-    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
-
-
-def _take_rows_fwd(x, index, inverse):
-    return take_rows(x, index, inverse), (inverse, x.shape[0])
-
-
-def _take_rows_bwd(residuals, d_out):
-    inverse, num_rows = residuals
-    fan_out = inverse.size // num_rows
-    # The fan-out terms are summed in float32, as autodiff's scatter-add would not be; k = 8 bf16
-    # partial sums in bf16 would lose ~3 bits.
-    d_x = jnp.take(d_out, inverse, axis=0, mode="fill", fill_value=0).reshape(num_rows, fan_out, -1)
-    return jnp.sum(d_x, axis=1, dtype=jnp.float32).astype(d_out.dtype), None, None
-
-
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _combine(rows: jax.Array, routing: Routing) -> jax.Array:
@@ -250,24 +212,29 @@ def grouped_tiles(k_dim: int, n_dim: int, on_gpu: bool) -> dict[str, int]:
 
 
 def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, group_offsets: jax.Array,
-                   tiles: dict[str, int] | None = None) -> jax.Array:
+                   tiles: dict[str, int] | None = None, gather: tuple[jax.Array, jax.Array] | None = None,
+                   ) -> jax.Array:
     """Block-padded rows [M, Din] through their block's expert SwiGLU with the Pallas `gmm` -> [M, Din].
 
-    `tiles` (all three matmuls) or, if None, `grouped_tiles` per matmul; the layout's block_m must
-    match. Outputs are named `EXPERT_MATMUL` for the remat policy.
+    With `gather` (`gmm`'s argument), `rows` are the source rows and the gate and up matmuls read the
+    block layout through it. `tiles` (all three matmuls) or, if None, `grouped_tiles` per matmul; the
+    layout's block_m must match. Outputs are named `EXPERT_MATMUL` for the remat policy.
     """
     on_gpu = jax.default_backend() == "gpu"
 
-    def gmm(x, w):
-        w_tiles = tiles or grouped_tiles(w.shape[1], w.shape[2], on_gpu)
-        return checkpoint_name(grouped_matmul.gmm(x, w, block_expert, group_offsets, **w_tiles), EXPERT_MATMUL)
+    def gmm(x, w, gather=None):
+        one = w[0] if isinstance(w, tuple) else w
+        w_tiles = tiles or grouped_tiles(one.shape[1], one.shape[2], on_gpu)
+        y = grouped_matmul.gmm(x, w, block_expert, group_offsets, gather=gather, **w_tiles)
+        return checkpoint_name(y, EXPERT_MATMUL)
 
-    hidden = jax.nn.silu(gmm(rows, experts["w_gate"])) * gmm(rows, experts["w_up"])
-    return gmm(hidden, experts["w_down"])
+    # Gate and up in one call: with `gather`, x's gradient is summed over both before the readers' sum.
+    gate, up = gmm(rows, (experts["w_gate"], experts["w_up"]), gather)
+    return gmm(jax.nn.silu(gate) * up, experts["w_down"])
 
 
 def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
-            ) -> tuple[jax.Array, Stats]:
+            fuse_gather: bool = True) -> tuple[jax.Array, Stats]:
     """Dropless dispatch through the Pallas grouped GEMM over block-padded expert groups.
 
     Args:
@@ -276,6 +243,10 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
         tiles: `gmm` keyword arguments (block_m/n/k, num_warps, num_stages) for all three matmuls;
             None: `grouped_tiles` per matmul. The layer benchmark tries several on the GPU.
+        fuse_gather: the gate and up kernels read each row from `h` through the layout's index, so
+            the [M, Din] expert-sorted copy of the rows (M ~ T k: k times h's bytes) is never
+            written, read back twice, or rebuilt for the backward pass. False gathers it first
+            with `take_rows` (the layer benchmark's `-unfused` variant, to measure the difference).
 
     Returns:
         out [T, Din] and stats (`dropped` = 0).
@@ -289,8 +260,14 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     assignment_row = jnp.zeros((T * k,), jnp.int32).at[order].set(row_of_sorted)
     row_assignment = jnp.full((M,), T * k, jnp.int32).at[row_of_sorted].set(order)
 
-    x = take_rows(h, row_assignment // k, assignment_row)  # [M, Din]; padding rows are zero
-    y = grouped_swiglu(x, experts, block_expert, group_offsets, tiles)  # [M, Din]
+    if fuse_gather:
+        # Padding rows read row T, a zero row; nothing lists it as read, so its gradient is zero.
+        source = jnp.concatenate([h, jnp.zeros((1, Din), h.dtype)])
+        readers = jnp.concatenate([assignment_row, jnp.full((k,), M, jnp.int32)])
+        y = grouped_swiglu(source, experts, block_expert, group_offsets, tiles, gather=(row_assignment // k, readers))
+    else:
+        x = take_rows(h, row_assignment // k, assignment_row)  # [M, Din]; padding rows are zero
+        y = grouped_swiglu(x, experts, block_expert, group_offsets, tiles)  # [M, Din]
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 

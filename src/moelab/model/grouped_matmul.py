@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from moelab.model.rows import sum_readers
+
 __all__ = ["gmm", "gmm_reference", "padded_layout"]
 
 _NN = (((1,), (0,)), ((), ()))  # [m, c] x [c, o] -> [m, o]
@@ -95,9 +97,12 @@ def gmm_reference(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Ar
     return y.reshape(x.shape[0], w.shape[2]).astype(x.dtype)
 
 
-def _block_kernel(block_expert_ref, x_ref, w_ref, y_ref, *, num_experts: int, block_c: int, transpose_w: bool,
-                  rows_together: bool):
-    """One [bm, bo] tile of y = x_b @ W, W = w[e] ([C, O]) or w[e]^T (w[e] is [O, C]), e = block_expert[b]."""
+def _block_kernel(*refs, num_experts: int, block_c: int, transpose_w: bool, rows_together: bool, gather: bool):
+    """One [bm, bo] tile of y = x_b @ W, W = w[e] ([C, O]) or w[e]^T (w[e] is [O, C]), e = block_expert[b].
+
+    x_b is the b-th block of x's rows, or, with `gather`, the rows row_index[b-th block] of x.
+    """
+    block_expert_ref, *row_index_ref, x_ref, w_ref, y_ref = refs
     b, j = _matmul_tile(pl.program_id(0), pl.program_id(1), rows_together)
     e = block_expert_ref[b]
     block_m, block_o = y_ref.shape
@@ -105,9 +110,12 @@ def _block_kernel(block_expert_ref, x_ref, w_ref, y_ref, *, num_experts: int, bl
 
     @pl.when(e < num_experts)
     def _():
+        # x_ref is this row block (BlockSpec), or with `gather` all of x and the block's rows are listed.
+        rows = row_index_ref[0][pl.ds(b * block_m, block_m)] if gather else slice(None)
+
         def accumulate(c, acc):
             step = pl.ds(c * block_c, block_c)
-            lhs = x_ref[:, step]
+            lhs = x_ref[rows, step]
             if transpose_w:  # tt.trans of the loaded tile: Triton feeds it to the MMA without a copy of w.
                 acc += lax.dot_general(lhs, w_ref[e, cols, step], _NT, preferred_element_type=jnp.float32)
             else:
@@ -128,32 +136,40 @@ def _matmul_tile(first, second, rows_together: bool):
     return (second, first) if rows_together else (first, second)
 
 
-def _block_matmul(x, w, block_expert, *, block_m, block_c, block_o, transpose_w, rows_together, compiler,
-                  interpret):
-    """[M, C] x (w [E, C, O] or, transposed, [E, O, C]) per row block -> [M, O] in x.dtype."""
-    num_rows, c_dim = x.shape
+def _block_matmul(x, w, block_expert, row_index=None, *, block_m, block_c, block_o, transpose_w, rows_together,
+                  compiler, interpret):
+    """[M, C] x (w [E, C, O] or, transposed, [E, O, C]) per row block -> [M, O] in x.dtype.
+
+    With `row_index` [M], the M rows are x[row_index] (x is [R, C]), gathered inside the kernel.
+    """
+    gather = row_index is not None
+    num_rows, c_dim = row_index.shape[0] if gather else x.shape[0], x.shape[1]
     o_dim = w.shape[1] if transpose_w else w.shape[2]
     kernel = functools.partial(_block_kernel, num_experts=w.shape[0], block_c=block_c, transpose_w=transpose_w,
-                               rows_together=rows_together)
+                               rows_together=rows_together, gather=gather)
     row_blocks, col_tiles = num_rows // block_m, o_dim // block_o
 
     def tile(first, second):
         return _matmul_tile(first, second, rows_together)
 
+    if gather:  # the index, and x whole: the kernel picks its rows
+        rows_specs = [pl.BlockSpec(row_index.shape, lambda *g: (0,)), pl.BlockSpec(x.shape, lambda *g: (0, 0))]
+    else:
+        rows_specs = [pl.BlockSpec((block_m, c_dim), lambda *g: (tile(*g)[0], 0))]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, o_dim), x.dtype),
         grid=(col_tiles, row_blocks) if rows_together else (row_blocks, col_tiles),
         in_specs=[
             pl.BlockSpec(block_expert.shape, lambda *g: (0,)),
-            pl.BlockSpec((block_m, c_dim), lambda *g: (tile(*g)[0], 0)),
+            *rows_specs,
             pl.BlockSpec(w.shape, lambda *g: (0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((block_m, block_o), tile),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(**compiler),
         name="gmm_dx" if transpose_w else "gmm",
-    )(block_expert, x, w)
+    )(block_expert, *([row_index] if gather else []), x, w)
 
 
 def _dw_tile(first, second, third, rows_together: bool):
@@ -161,14 +177,16 @@ def _dw_tile(first, second, third, rows_together: bool):
     return (third, first, second) if rows_together else (first, second, third)
 
 
-def _dw_kernel(group_offsets_ref, x_ref, dy_ref, dw_ref, *, block_m: int, rows_together: bool):
-    """One [bk, bn] tile of dw[e] = sum over expert e's row blocks b of x_b^T dy_b (zeros if none)."""
+def _dw_kernel(*refs, block_m: int, rows_together: bool, gather: bool):
+    """One [bk, bn] tile of dw[e] = sum over expert e's row blocks b of x_b^T dy_b (zeros if none);
+    x_b gathered through row_index as in `_block_kernel`."""
+    group_offsets_ref, *row_index_ref, x_ref, dy_ref, dw_ref = refs
     e, i, j = _dw_tile(pl.program_id(0), pl.program_id(1), pl.program_id(2), rows_together)
     block_k, block_n = dw_ref.shape
 
     def accumulate(b, acc):
         rows = pl.ds(b * block_m, block_m)
-        xb = x_ref[rows, pl.ds(i * block_k, block_k)]
+        xb = x_ref[row_index_ref[0][rows] if gather else rows, pl.ds(i * block_k, block_k)]
         dyb = dy_ref[rows, pl.ds(j * block_n, block_n)]
         return acc + lax.dot_general(xb, dyb, _TN, preferred_element_type=jnp.float32)
 
@@ -178,8 +196,10 @@ def _dw_kernel(group_offsets_ref, x_ref, dy_ref, dw_ref, *, block_m: int, rows_t
     dw_ref[...] = acc.astype(dw_ref.dtype)
 
 
-def _dw(x, dy, group_offsets, num_experts, *, block_m, block_n, block_k, rows_together, compiler, interpret):
-    """dw [E, K, N] in x.dtype from x [M, K] and dy [M, N]."""
+def _dw(x, dy, group_offsets, num_experts, row_index=None, *, block_m, block_n, block_k, rows_together, compiler,
+        interpret):
+    """dw [E, K, N] in x.dtype from x [M, K] (or x [R, K] read through row_index [M]) and dy [M, N]."""
+    gather = row_index is not None
     k_dim, n_dim = x.shape[1], dy.shape[1]
     tiles = (k_dim // block_k, n_dim // block_n)
 
@@ -187,11 +207,12 @@ def _dw(x, dy, group_offsets, num_experts, *, block_m, block_n, block_k, rows_to
         return _dw_tile(*ids, rows_together)
 
     return pl.pallas_call(
-        functools.partial(_dw_kernel, block_m=block_m, rows_together=rows_together),
+        functools.partial(_dw_kernel, block_m=block_m, rows_together=rows_together, gather=gather),
         out_shape=jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), x.dtype),
         grid=(*tiles, num_experts) if rows_together else (num_experts, *tiles),
         in_specs=[
             pl.BlockSpec(group_offsets.shape, lambda *g: (0,)),
+            *([pl.BlockSpec(row_index.shape, lambda *g: (0,))] if gather else []),
             pl.BlockSpec(x.shape, lambda *g: (0, 0)),
             pl.BlockSpec(dy.shape, lambda *g: (0, 0)),
         ],
@@ -199,7 +220,7 @@ def _dw(x, dy, group_offsets, num_experts, *, block_m, block_n, block_k, rows_to
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(**compiler),
         name="gmm_dw",
-    )(group_offsets, x, dy)
+    )(group_offsets, *([row_index] if gather else []), x, dy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,24 +240,31 @@ class _Launch:
                 "compiler": {"num_warps": self.num_warps, "num_stages": self.num_stages}}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm(x, w, block_expert, group_offsets, launch: _Launch):
-    return _block_matmul(x, w, block_expert, block_m=launch.block_m, block_c=launch.block_k, block_o=launch.block_n,
-                         transpose_w=False, **launch.kernel_args())
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch: _Launch):
+    """x times each weight of the tuple `ws`: a tuple of outputs."""
+    return tuple(_block_matmul(x, w, block_expert, row_index, block_m=launch.block_m, block_c=launch.block_k,
+                               block_o=launch.block_n, transpose_w=False, **launch.kernel_args()) for w in ws)
 
 
-def _gmm_fwd(x, w, block_expert, group_offsets, launch: _Launch):
-    return _gmm(x, w, block_expert, group_offsets, launch), (x, w, block_expert, group_offsets)
+def _gmm_fwd(x, ws, block_expert, group_offsets, row_index, inverse, launch: _Launch):
+    ys = _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch)
+    return ys, (x, ws, block_expert, group_offsets, row_index, inverse)
 
 
-def _gmm_bwd(launch: _Launch, residuals, dy):
-    x, w, block_expert, group_offsets = residuals
-    # dx contracts over N in block_n steps and writes block_k-wide column tiles of K.
-    dx = _block_matmul(dy, w, block_expert, block_m=launch.block_m, block_c=launch.block_n, block_o=launch.block_k,
-                       transpose_w=True, **launch.kernel_args())
-    dw = _dw(x, dy, group_offsets, w.shape[0], block_m=launch.block_m, block_n=launch.block_n,
-             block_k=launch.block_k, **launch.kernel_args())
-    return dx, dw, None, None  # integer inputs: no cotangent
+def _gmm_bwd(launch: _Launch, residuals, dys):
+    x, ws, block_expert, group_offsets, row_index, inverse = residuals
+    # dx contracts over N in block_n steps and writes block_k-wide column tiles of K, one row per
+    # block-layout row. The weights' terms add first, in x's dtype, as autodiff would add the
+    # gradients of separate matmuls; gathered rows are then summed into x's rows by their readers.
+    dx = functools.reduce(jnp.add, [
+        _block_matmul(dy, w, block_expert, block_m=launch.block_m, block_c=launch.block_n, block_o=launch.block_k,
+                      transpose_w=True, **launch.kernel_args()) for w, dy in zip(ws, dys)])
+    if row_index is not None:
+        dx = sum_readers(dx, inverse, x.shape[0])
+    dws = tuple(_dw(x, dy, group_offsets, w.shape[0], row_index, block_m=launch.block_m, block_n=launch.block_n,
+                    block_k=launch.block_k, **launch.kernel_args()) for w, dy in zip(ws, dys))
+    return dx, dws, None, None, None, None  # integer inputs: no cotangent
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -251,7 +279,7 @@ def _check_tile(name: str, tile: int, dim_name: str, dim: int) -> None:
 
 def gmm(
     x: jax.Array,
-    w: jax.Array,
+    w: jax.Array | tuple[jax.Array, ...],
     block_expert: jax.Array,
     group_offsets: jax.Array,
     *,
@@ -261,15 +289,18 @@ def gmm(
     num_warps: int = 4,
     num_stages: int = 3,
     rows_together: bool = True,
+    gather: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, ...]:
     """Grouped matmul over block-padded expert groups: y_b = x_b @ w[block_expert[b]] per row block b.
 
     Differentiable in x and w; accumulates in float32. Build the layout with `padded_layout`.
 
     Args:
         x: [M, K], rows sorted by expert and padded per expert to a multiple of block_m.
-        w: [E, K, N] expert weights, same dtype as x.
+        w: [E, K, N] expert weights, same dtype as x; or a tuple of such weights, all one shape (a
+            SwiGLU's gate and up), for one output each: x's gradient is then summed over them once,
+            before the readers' sum of `gather`.
         block_expert: [M // block_m] int32, non-decreasing; E marks an unused block (output zeros),
             allowed only after the used ones.
         group_offsets: [E + 1] int32, the first row block of each expert; group_offsets[E] is the
@@ -279,18 +310,35 @@ def gmm(
             defaults fit 128 x 128 x 64 bf16 tiles in an H100/H200's shared memory.
         rows_together: launch the programs that read the same rows together, so those rows come from
             DRAM once (see the module docstring); False is the row-blocks-fastest order, for comparison.
+        gather: (row_index [M], inverse [R * m]) fuses the dispatch gather into the kernels: x is
+            then the [R, K] source (tokens) and row r of the block layout is x[row_index[r]], so the
+            [M, K] rows never exist in memory. row_index must be < R: give padding rows a zero row
+            of x. `inverse` lists each source row's m readers, as `moelab.model.rows.take_rows`
+            documents; dx is summed over them.
         interpret: None runs the Pallas interpreter unless the default backend is a GPU.
 
     Returns:
-        y: [M, N] in x.dtype.
+        y: [M, N] in x.dtype, or a tuple of them for a tuple `w`.
     """
+    several = isinstance(w, tuple)
+    ws = w if several else (w,)
+    w = ws[0]
     num_rows, k_dim = x.shape
     num_experts, _, n_dim = w.shape
     if w.shape[1] != k_dim:
         raise ValueError(f"w.shape={w.shape} does not match x.shape={x.shape}: w must be [E, K={k_dim}, N].")
-    if w.dtype != x.dtype:
-        raise ValueError(f"w.dtype={w.dtype} differs from x.dtype={x.dtype}; cast w to {x.dtype} before gmm.")
-    _check_tile("block_m", block_m, "M (x.shape[0])", num_rows)
+    for other in ws:
+        if other.shape != w.shape:
+            raise ValueError(f"the weights in w have shapes {[v.shape for v in ws]}; a tuple w needs one shape.")
+        if other.dtype != x.dtype:
+            raise ValueError(f"w.dtype={other.dtype} differs from x.dtype={x.dtype}; cast w to {x.dtype} before gmm.")
+    row_index, inverse = gather if gather is not None else (None, None)
+    if gather is not None:
+        if row_index.ndim != 1 or inverse.ndim != 1 or inverse.size % num_rows:
+            raise ValueError(f"gather=(row_index {row_index.shape}, inverse {inverse.shape}): want 1-d arrays, the "
+                             f"inverse a whole number of readers per row of x ({num_rows}).")
+        num_rows = row_index.shape[0]  # the block layout's rows; x holds the source rows
+    _check_tile("block_m", block_m, "M (x.shape[0], or gather's row_index length)", num_rows)
     _check_tile("block_n", block_n, "N (w.shape[2])", n_dim)
     _check_tile("block_k", block_k, "K (x.shape[1])", k_dim)
     if block_expert.shape != (num_rows // block_m,):
@@ -308,5 +356,8 @@ def gmm(
         interpret = jax.default_backend() != "gpu"
     block_expert = block_expert.astype(jnp.int32)
     group_offsets = group_offsets.astype(jnp.int32)
+    if gather is not None:
+        row_index, inverse = row_index.astype(jnp.int32), inverse.astype(jnp.int32)
     launch = _Launch(block_m, block_n, block_k, num_warps, num_stages, rows_together, interpret)
-    return _gmm(x, w, block_expert, group_offsets, launch)
+    ys = _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch)
+    return ys if several else ys[0]

@@ -40,9 +40,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moelab.config import MoEConfig
-from moelab.model.dispatch import expert_capacity, swiglu_buffers, take_rows
+from moelab.model.dispatch import expert_capacity, swiglu_buffers
 from moelab.model.moe import EPDispatch
 from moelab.model.router import Routing, expert_load
+from moelab.model.rows import take_rows
 from moelab.parallel.mesh import BATCH_AXES
 
 __all__ = ["EPDispatch", "dispatch", "make_dispatch", "pool_size", "receiver_capacity", "receiver_slots"]
