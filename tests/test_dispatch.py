@@ -307,6 +307,45 @@ def test_grouped_layer_forward_and_backward_lower_to_triton_for_cuda(monkeypatch
     assert kernels == ["gmm"] * 3 + ["gmm_dw"] * 3 + ["gmm_dx"] * 3
 
 
+def _grouped_layer_inputs(dtype):
+    cfg = _cfg("grouped", "sigmoid", latent=False, shared=False)
+    params = moe.init(cfg, jax.random.key(7))
+    h = jax.random.normal(jax.random.key(8), (B * S, cfg.d_model)).astype(dtype)
+    routing = route(h.astype(jnp.float32), params["w_router"], jnp.zeros((E,)), cfg.moe)
+    experts = {name: params[name].astype(dtype) for name in ("w_gate", "w_up", "w_down")}
+    cot = jax.random.normal(jax.random.key(9), h.shape).astype(dtype)
+    return h, routing, experts, cot
+
+
+def _grouped_value_and_grads(backend_fn, h, routing, experts, cot):
+    """Output and gradients in h, the combine weights and the experts, eagerly (as the grid above)."""
+    def objective(h, weights, experts):
+        out, _ = backend_fn(h, routing._replace(weights=weights), experts)
+        return jnp.sum((out * cot).astype(jnp.float32)), out
+
+    with jax.disable_jit():
+        return jax.grad(objective, argnums=(0, 1, 2), has_aux=True)(h, routing.weights, experts)
+
+
+@pytest.mark.parametrize("fuse_gather", [True, False])
+def test_grouped_with_and_without_the_fused_gather_matches_dense(fuse_gather):
+    inputs = _grouped_layer_inputs(jnp.float32)
+    grads, out = _grouped_value_and_grads(functools.partial(dispatch_lib.grouped, fuse_gather=fuse_gather), *inputs)
+    ref_grads, ref_out = _grouped_value_and_grads(dispatch_lib.dense, *inputs)
+    assert relative_error(out, ref_out) < 1e-5
+    _assert_trees_close(grads, ref_grads, f"grouped(fuse_gather={fuse_gather}) d out /")
+
+
+def test_grouped_fused_gather_is_bit_identical_to_gathering_first_in_bfloat16():
+    """The same products, accumulated and rounded in the same order: x's gradient adds gate and up in
+    bf16, then sums each token's k readers in float32, as autodiff of the unfused path does."""
+    inputs = _grouped_layer_inputs(jnp.bfloat16)
+    fused = _grouped_value_and_grads(dispatch_lib.grouped, *inputs)
+    unfused = _grouped_value_and_grads(functools.partial(dispatch_lib.grouped, fuse_gather=False), *inputs)
+    for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(unfused)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_grouped_dispatch_needs_widths_that_are_multiples_of_16():
     with pytest.raises(ConfigError, match=r"model.moe.expert_dim=24 .*multiple of 16"):
         ModelConfig(moe=MoEConfig(expert_dim=24, dispatch="grouped"))

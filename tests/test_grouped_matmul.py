@@ -17,7 +17,9 @@ from helpers import relative_error
 from moelab.model.grouped_matmul import gmm, gmm_reference, padded_layout
 
 E, K, N = 4, 32, 64
-BLOCKS = dict(block_m=16, block_n=32, block_k=16)  # two K steps and two column tiles per block
+# Two K steps and four column tiles per block: every grid (forward 4 x 7, dw 2 x 4 x 4) has unequal
+# axes, so a kernel that swapped two tile ids would read or write the wrong tiles.
+BLOCKS = dict(block_m=16, block_n=16, block_k=16)
 # Expert 1 has no rows, expert 2 fills exactly two blocks, so 4 blocks are used and 3 are unused.
 COUNTS = (5, 0, 32, 9)
 TRITON_TARGET = "__gpu$xla.gpu.triton"
@@ -67,7 +69,7 @@ def test_padded_layout_matches_a_numpy_construction(counts):
 
 @pytest.mark.parametrize("rows_together", [True, False])
 def test_gmm_matches_reference_values_and_gradients_in_float32(rows_together):
-    """Both launch orders (a 2 x 7 grid, so a swapped index map would read the wrong tiles)."""
+    """Both launch orders (unequal grid axes, so a swapped index map would read the wrong tiles)."""
     x, w, block_expert, group_offsets, _ = _inputs()
     assert int(group_offsets[-1]) < block_expert.shape[0], "the test needs unused trailing blocks"
 
@@ -140,6 +142,17 @@ def test_gmm_with_fused_gather_equals_gathering_first(rows_together):
     # Row T is the padding rows' zero row: no reader is listed for it, so it gets no gradient.
     assert relative_error(dx[:T], dx_ref[:T]) < 1e-5
     np.testing.assert_array_equal(dx[T], 0.0)
+
+
+def test_gmm_gather_clamps_indices_past_the_source_to_its_last_row():
+    """The Triton kernel's gathered load has no bounds check, so gmm clamps: no index reads outside x."""
+    x_src, w, block_expert, group_offsets, row_index, inverse = _gather_inputs()
+    T = x_src.shape[0] - 1
+    padding = row_index == T
+    past = jnp.where(padding, T + 5, row_index)  # padding rows point past the zero row
+    y = gmm(x_src, w, block_expert, group_offsets, gather=(past, inverse), **BLOCKS)
+    np.testing.assert_array_equal(y, gmm(x_src, w, block_expert, group_offsets, gather=(row_index, inverse), **BLOCKS))
+    assert bool(jnp.any(padding[: int(group_offsets[-1]) * BLOCKS["block_m"]]))  # some used row was clamped
 
 
 def test_gmm_gather_rejects_an_inverse_that_does_not_fit_the_source():

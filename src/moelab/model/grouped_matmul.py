@@ -312,9 +312,10 @@ def gmm(
             DRAM once (see the module docstring); False is the row-blocks-fastest order, for comparison.
         gather: (row_index [M], inverse [R * m]) fuses the dispatch gather into the kernels: x is
             then the [R, K] source (tokens) and row r of the block layout is x[row_index[r]], so the
-            [M, K] rows never exist in memory. row_index must be < R: give padding rows a zero row
-            of x. `inverse` lists each source row's m readers, as `moelab.model.rows.take_rows`
-            documents; dx is summed over them.
+            [M, K] rows never exist in memory. Indices past the last row read the last row (they are
+            clamped, so no kernel reads outside x): make x's last row zero for padding rows.
+            `inverse` lists each source row's m readers, as `moelab.model.rows.take_rows`
+            documents (len(x) ... reads zero); dx is summed over them.
         interpret: None runs the Pallas interpreter unless the default backend is a GPU.
 
     Returns:
@@ -347,7 +348,7 @@ def gmm(
         )
     if group_offsets.shape != (num_experts + 1,):
         raise ValueError(f"group_offsets.shape={group_offsets.shape}; expected (E + 1,) = ({num_experts + 1},).")
-    for name, size in (("x", x.size), ("w", w.size), ("y", num_rows * n_dim)):
+    for name, size in (("x", x.size), ("w", w.size), ("y", num_rows * n_dim), ("dx rows", num_rows * k_dim)):
         if size > _MAX_ELEMENTS:
             raise ValueError(
                 f"{name} has {size} elements, past the kernel's int32 offsets; split the call over rows or experts."
@@ -356,8 +357,9 @@ def gmm(
         interpret = jax.default_backend() != "gpu"
     block_expert = block_expert.astype(jnp.int32)
     group_offsets = group_offsets.astype(jnp.int32)
-    if gather is not None:
-        row_index, inverse = row_index.astype(jnp.int32), inverse.astype(jnp.int32)
+    if gather is not None:  # a kernel's gathered load is unchecked: clamp, as jnp.take's default does
+        row_index = jnp.minimum(row_index.astype(jnp.int32), x.shape[0] - 1)
+        inverse = inverse.astype(jnp.int32)
     launch = _Launch(block_m, block_n, block_k, num_warps, num_stages, rows_together, interpret)
     ys = _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch)
     return ys if several else ys[0]
