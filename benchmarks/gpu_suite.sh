@@ -43,12 +43,13 @@ if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
   for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense"); done
   LAYER_SHAPE=(--tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 --out "$OUT/moe_layer.json" --json)
   # In two parts, as on the GPU, so the merge is tested too.
-  ("$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --backends capacity,grouped --check
+  ("$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --backends capacity,grouped --check --profile
    "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends ep,dropless --grouped-variants 16x32x16w4s3,16x32x16w4s3-rows-unfused \
        --breakdown) > "$OUT/moe_layer.log" 2>&1 &
   LAYER=$!
   "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1
-  "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --out-dir "$OUT" --json > "$OUT/mfu.log" 2>&1
+  "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --profile --out-dir "$OUT" --json \
+      > "$OUT/mfu.log" 2>&1
   wait $LAYER
 else
   # run SECONDS_CAP FILE NAME CMD...: the command under a timeout that also respects the suite's budget.
@@ -69,17 +70,18 @@ else
     fi
   }
   run 60 "$OUT/matmul.json" matmul "$PY" "$HERE/mfu.py" --matmul-only --out-dir "$OUT" --json
-  mfu_run() {  # PRESET:BACKEND
+  mfu_run() {  # PRESET:BACKEND [--profile]
     local p=${1%%:*} b=${1##*:} cap=90
     [[ $p == gpu-medium* ]] && cap=120  # compile + state init + ~15 s timed
     run $cap "$OUT/mfu_${p}_${b}.json" mfu "$PY" "$HERE/mfu.py" --run "$p:$b" --out-dir "$OUT" \
-        --steps 5 --windows 3 --warmup 2 --budget-s 15 --json
+        --steps 5 --windows 3 --warmup 2 --budget-s 15 --json "${@:2}"
   }
   # The figures first: the layer on the two fast paths (checked against each other), then
   # gpu-medium's MFU against its dense counterpart; the extras after, so a tight budget cuts only them.
+  # Each also traces two calls: where the device time goes, by kernel (profile_summary.py).
   run 100 "$OUT/moe_layer.json" moe_layer "$PY" "$HERE/moe_layer.py" --backends capacity,grouped --check \
-      --budget-s 3 --out "$OUT/moe_layer.json" --json
-  for pb in gpu-medium:grouped gpu-medium:capacity gpu-medium-dense:dense; do mfu_run $pb; done
+      --profile --budget-s 3 --out "$OUT/moe_layer.json" --json
+  for pb in gpu-medium:grouped gpu-medium:capacity gpu-medium-dense:dense; do mfu_run $pb --profile; done
   run 150 "$OUT/moe_layer.json" moe_layer_extras "$PY" "$HERE/moe_layer.py" --merge --backends ep,dropless \
       --grouped-variants default --breakdown --budget-s 2 --out "$OUT/moe_layer.json" --json
   for pb in gpu-small:grouped gpu-small:capacity gpu-small-dense:dense \

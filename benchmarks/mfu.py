@@ -20,9 +20,11 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,9 @@ from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.loop import compute_dtype, make_train_step
 from moelab.train.state import init_sharded_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads
+from profile_summary import profile_call  # noqa: E402
 
 DATASHEET_PEAK = 989e12  # H100 / H200 SXM dense bf16, FLOP/s
 BACKENDS = ("capacity", "grouped", "dropless", "ep", "dense")
@@ -94,11 +99,13 @@ def peak_memory_bytes() -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budget_s: float) -> dict:
+def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budget_s: float,
+                    profile: bool = False) -> dict:
     """Median seconds per step of the real train step, and the steps per window actually timed.
 
     If the last warm-up step says `windows x steps` would take longer than `budget_s`, fewer steps
-    are timed (at least one per window), so a slow backend still finishes.
+    are timed (at least one per window), so a slow backend still finishes. With `profile`, two more
+    steps are traced and their device time summed per kernel (`profile_summary.py`).
     """
     mesh = mesh_lib.make_mesh(cfg.mesh)
     state = init_sharded_state(cfg, mesh)
@@ -125,9 +132,17 @@ def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budge
             state, metrics = step(state, batches[i % 2])
         jax.block_until_ready(metrics)
         per_step.append((time.perf_counter() - start) / steps)
-    return {"step_time_s": statistics.median(per_step), "window_step_times_s": per_step, "steps": steps,
-            "first_step_s": first_step_s, "final_loss": float(metrics["loss"]),
-            "drop_fraction": float(metrics["drop_fraction"])}
+    timing = {"step_time_s": statistics.median(per_step), "window_step_times_s": per_step, "steps": steps,
+              "first_step_s": first_step_s, "final_loss": float(metrics["loss"]),
+              "drop_fraction": float(metrics["drop_fraction"])}
+    if profile:
+        def one_step():  # the state's buffers are donated: each step feeds the next
+            nonlocal state
+            state, step_metrics = step(state, batches[0])
+            return step_metrics
+
+        timing["profile"] = profile_call(one_step)
+    return timing
 
 
 def report(cfg: RunConfig, timing: dict, peak: dict) -> dict:
@@ -174,12 +189,12 @@ def timed_with_attention(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s)
+            timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s, args.profile)
         except Exception as e:  # noqa: BLE001 - only a cuDNN failure is retried
             if wanted == "xla" or "cudnn" not in str(e).lower():
                 raise
             with xla_attention():
-                timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s)
+                timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s, args.profile)
             return timing, {"attention": "xla", "attention_note": f"cudnn failed: {type(e).__name__}: {str(e)[:500]}"}
     declined = [str(w.message) for w in caught if "attention declined" in str(w.message)]
     for w in caught:  # the rest were only caught along: let them through
@@ -221,6 +236,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override the preset's batch size")
     parser.add_argument("--tiny", action="store_true", help="CPU-sized shapes with the preset's recipe")
     parser.add_argument("--matmul-only", action="store_true", help="measure only the bf16 matmul peak")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace two steps and sum their device time per kernel (profile_summary.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = parser.parse_args()
 

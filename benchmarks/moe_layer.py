@@ -25,6 +25,9 @@ Where the time goes, without a profiler:
   and the expert matmuls alone on ready-made buffers; plus the ideal batched matmul (every expert
   exactly its fair share of rows, one cuBLAS batched GEMM per matmul), the ceiling for any
   sort-and-buffer layer on this device.
+- `--profile`: each `--backends` run is also traced (two calls) and its device time summed per
+  kernel and per category (`profile_summary.py`): the Pallas `gmm` kernels, matmuls, sorting, row
+  moves, other XLA fusions.
 - `--check`: before any timing, `grouped` (its compiled Triton kernels, on a GPU) against `capacity`
   with room for every row, output and gradients in bf16, as relative errors |a - b| / |b| (2-norms);
   bf16 operands land between 1e-3 and 1e-2, a wrong kernel at order 1. A speed is only worth
@@ -40,6 +43,7 @@ import json
 import math
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +56,9 @@ from moelab.model import grouped_matmul, moe
 from moelab.model.router import route
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads
+from profile_summary import profile_call  # noqa: E402
 
 BACKENDS = ("capacity", "grouped", "ep", "dropless")
 # Tile sizes `--grouped-variants` tries by default on a GPU (the first is the library default there).
@@ -114,8 +121,9 @@ def _inputs(cfg: ModelConfig, tokens: int):
     return params, x, cot
 
 
-def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, backend_fn=None) -> dict:
-    """Median seconds of one jitted forward + backward of the layer.
+def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, backend_fn=None,
+                 profile: bool = False) -> dict:
+    """Median seconds of one jitted forward + backward of the layer; with `profile`, its kernels too.
 
     `backend_fn(h, routing, experts, capacity_factor)`, if given, replaces the configured backend
     through `moe.apply`'s backend hook (how `grouped` runs with other tiles).
@@ -131,8 +139,11 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
         y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, backend_fn)
         return jnp.sum(y * cot), stats["dropped"] / stats["assignments"]
 
-    timing = time_call(jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), (params, x), iters, budget_s)
+    layer = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    timing = time_call(layer, (params, x), iters, budget_s)
     (_, drop_fraction), _ = timing.pop("out")
+    if profile:
+        timing["profile"] = profile_call(lambda: layer(params, x))
     return {**timing, "drop_fraction": float(drop_fraction)}
 
 
@@ -258,6 +269,8 @@ def main() -> None:
                         help=f"comma-separated gmm tiles for extra `grouped` runs, or 'default' ({','.join(GROUPED_VARIANTS)})")
     parser.add_argument("--breakdown", action="store_true", help="also time the parts of capacity and grouped")
     parser.add_argument("--check", action="store_true", help="first check grouped against drop-free capacity")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace each --backends run and sum its device time per kernel (profile_summary.py)")
     parser.add_argument("--iters", type=int, default=10, help="calls per timed window (3 windows)")
     parser.add_argument("--budget-s", type=float, default=30.0, help="cap on each timing's seconds")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
@@ -288,7 +301,8 @@ def main() -> None:
 
     def timed_layer(backend: str, backend_fn=None) -> dict:
         cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.capacity_factor)
-        timing = time_backend(cfg, args.tokens, args.iters, args.budget_s, backend_fn)
+        timing = time_backend(cfg, args.tokens, args.iters, args.budget_s, backend_fn,
+                              profile=args.profile and backend_fn is None)
         return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12, "peak_memory_bytes": _peak_memory()}
 
     if args.check:

@@ -66,6 +66,27 @@ def _breakdown(layer: dict) -> list[str]:
     return lines
 
 
+PROFILE_CATEGORIES = ("grouped GEMM (Pallas)", "matmul", "attention", "sort", "row moves", "collectives",
+                      "other XLA kernels")
+
+
+def _profiles(out: Path, layer: dict) -> list[str]:
+    """Traced device time per call by kernel category, for every run that was profiled, and its top kernels."""
+    runs = [(f"layer {name}", r["profile"]) for name, r in layer.get("backends", {}).items() if r.get("profile")]
+    runs += [(f"{p} {b}", r["profile"]) for p, b in MFU_RUNS
+             if (r := _load(out / f"mfu_{p}_{b}.json")).get("profile")]
+    if not runs:
+        return []
+    lines = ["", "Device time per call by kernel (two traced calls; share of the traced kernel time):", "",
+             f"| run | kernel ms | {' | '.join(PROFILE_CATEGORIES)} | top kernels |",
+             "|---|---|" + "---|" * len(PROFILE_CATEGORIES) + "---|"]
+    for name, prof in runs:
+        shares = [_num(prof["categories"].get(c, {}).get("share"), ".0%") for c in PROFILE_CATEGORIES]
+        top = "; ".join(f"{t['name'][:40]} {t['ms']:.2f} ms" for t in prof["top"][:3])
+        lines.append(f"| {name} | {prof['kernel_ms_per_call']:.2f} | {' | '.join(shares)} | {top} |")
+    return lines
+
+
 def render(out: Path) -> str:
     lines = []
     mm = _load(out / "matmul.json")
@@ -108,6 +129,7 @@ def render(out: Path) -> str:
         lines.append(f"| {p} | {b} | {r['batch_size']} x {r['seq_len']} | {r['step_time_s'] * 1e3:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured_peak']:.1%} | "
                      f"{_num(mem and mem / 2**30, '.1f')} | {r.get('attention', '-')} | ok{' (tiny)' if r.get('tiny') else ''} |")
+    lines += _profiles(out, layer)
     return "\n".join(lines)
 
 

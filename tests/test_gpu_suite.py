@@ -7,6 +7,7 @@ cold one (8 train steps to compile) about a minute on two idle cores.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import re
@@ -39,6 +40,7 @@ def _load(name: str):
 
 mfu = _load("mfu")
 moe_layer = _load("moe_layer")
+profile_summary = _load("profile_summary")
 suite_table = _load("suite_table")
 
 MFU_KEYS = {"preset", "backend", "status", "step_time_s", "tokens_per_s", "flops_per_token", "model_flops_per_step",
@@ -63,6 +65,8 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
                                       "grouped[16x32x16w4s3-rows-unfused]"}
     for backend in layer["backends"].values():
         assert LAYER_KEYS <= set(backend)
+    for backend in ("capacity", "grouped"):  # the first part ran with --profile
+        _assert_profile(layer["backends"][backend]["profile"])
     assert layer["check"]["passed"] and layer["check"]["max_relative_error"] < 1e-3  # float32 accumulation
     assert "max relative error" in proc.stdout
     breakdown = layer["breakdown"]
@@ -77,14 +81,57 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
         assert (result["preset"], result["backend"], result["tiny"]) == (preset, backend, True)
         assert np.isfinite(result["final_loss"]) and result["tokens_per_s"] > 0
         assert result["attention"] == "xla"  # cuDNN is for GPUs
+        _assert_profile(result["profile"])
     # The table comes last and shows every run.
     table = proc.stdout[proc.stdout.index("Train step"):]
     assert table.count("ok (tiny)") == len(suite_table.MFU_RUNS)
     assert "| grouped | expert_matmuls |" in proc.stdout
+    assert "| layer grouped |" in proc.stdout and "| gpu-medium grouped |" in proc.stdout  # the profile table
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["jax"] == jax.__version__ and len(record["commit"] or "") == 40
     assert set(record["mfu"]) == {f"{p}:{b}" for p, b in suite_table.MFU_RUNS}
     assert [t["verdict"] for t in record["targets"]] == ["n/a (no GPU)"] * 4
+
+
+def _assert_profile(profile: dict) -> None:
+    """A traced run's summary: kernels with time, categories that account for all of it."""
+    assert profile["kernel_ms_per_call"] > 0 and profile["top"]
+    assert sum(c["share"] for c in profile["categories"].values()) == pytest.approx(1.0)
+    assert all(t["ms"] > 0 and t["category"] in profile["categories"] for t in profile["top"])
+
+
+@pytest.mark.parametrize("kernel, expected", [
+    ("gmm_dx", "grouped GEMM (Pallas)"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN", "matmul"),
+    ("gemm_fusion_dot_123", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("ncclDevKernel_SendRecv", "collectives"),
+    ("loop_gather_fusion_4", "row moves"),
+    ("void cub::DeviceRadixSortOnesweepKernel", "sort"),
+    ("input_reduce_fusion_7", "other XLA kernels"),
+])
+def test_profile_categories_name_gpu_kernels(kernel, expected):
+    assert profile_summary.category(kernel) == expected
+
+
+def test_profile_summary_reads_the_gpu_streams_and_not_the_op_lines():
+    """A GPU trace's device plane: kernels on stream lines; the "XLA Ops" line repeats their time by HLO op."""
+    Event = collections.namedtuple("Event", "name duration_ns")
+    Line = collections.namedtuple("Line", "name events")
+    Plane = collections.namedtuple("Plane", "name lines")
+    gpu = Plane("/device:GPU:0", [
+        Line("Stream #13(Compute)", [Event("gmm", 3e6), Event("gmm_dx", 2e6), Event("loop_gather_fusion", 1e6),
+                                     Event("gmm", 3e6)]),
+        Line("XLA Ops", [Event("custom-call.1", 9e6)]),
+    ])
+    host = Plane("/host:CPU", [Line("tf_XLA", [Event("should_not_count", 5e6)])])
+    summary = profile_summary.summarize([host, gpu], calls=2)
+    assert summary["plane"] == "/device:GPU:0"
+    assert summary["kernel_ms_per_call"] == pytest.approx(4.5)
+    assert summary["top"][0] == {"name": "gmm", "category": "grouped GEMM (Pallas)", "ms": 3.0, "share": 6 / 9,
+                                 "launches_per_call": 1.0}
+    assert summary["categories"]["row moves"]["ms"] == pytest.approx(0.5)
 
 
 def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch):
@@ -99,7 +146,7 @@ def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch
         return {"step_time_s": 1.0}
 
     monkeypatch.setattr(mfu, "time_train_step", fake_timing)
-    args = mfu.argparse.Namespace(steps=1, warmup=0, windows=1, budget_s=1.0)
+    args = mfu.argparse.Namespace(steps=1, warmup=0, windows=1, budget_s=1.0, profile=False)
     timing, attention = mfu.timed_with_attention(presets.get("gpu-small"), args)
     assert seen == ["cudnn", None] and timing == {"step_time_s": 1.0}
     assert attention["attention"] == "xla" and "cuDNN graph failed" in attention["attention_note"]
