@@ -81,6 +81,9 @@ def _profiles(out: Path, layer: dict) -> list[str]:
              f"| run | kernel ms | {' | '.join(PROFILE_CATEGORIES)} | top kernels |",
              "|---|---|" + "---|" * len(PROFILE_CATEGORIES) + "---|"]
     for name, prof in runs:
+        if "error" in prof:
+            lines.append(f"| {name} | - |{' - |' * len(PROFILE_CATEGORIES)} profile failed: {prof['error'][:60]} |")
+            continue
         shares = [_num(prof["categories"].get(c, {}).get("share"), ".0%") for c in PROFILE_CATEGORIES]
         top = "; ".join(f"{t['name'][:40]} {t['ms']:.2f} ms" for t in prof["top"][:3])
         lines.append(f"| {name} | {prof['kernel_ms_per_call']:.2f} | {' | '.join(shares)} | {top} |")

@@ -134,6 +134,15 @@ def test_profile_summary_reads_the_gpu_streams_and_not_the_op_lines():
     assert summary["categories"]["row moves"]["ms"] == pytest.approx(0.5)
 
 
+def test_a_failing_profiler_costs_the_profile_not_the_run(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES")
+
+    monkeypatch.setattr(profile_summary.jax.profiler, "trace", broken)
+    assert profile_summary.profile_call(lambda: jnp.ones(2)) == {
+        "error": "RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"}
+
+
 def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch):
     """A cuDNN failure past its trace-time checks costs a re-measurement, not the run; the note says why."""
     monkeypatch.setattr(transformer, "_attention_implementation", lambda dtype: "cudnn")
