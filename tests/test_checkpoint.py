@@ -96,6 +96,32 @@ def test_resume_refuses_model_or_data_changes_and_records_safe_ones(tmp_path):
     assert resume["step"] == 4 and resume["changes"]["train.steps"] == [4, 6]
 
 
+def test_a_finished_run_is_left_alone_and_a_shorter_one_refused(tmp_path):
+    cfg = override(presets.get("tiny"), {"train.steps": 4, "train.eval_batches": 1, "train.log_every": 2})
+    first = train(cfg, tmp_path)
+    written = (tmp_path / "summary.json").read_bytes()
+    with pytest.warns(UserWarning, match="already finished its 4 steps"):
+        again = train(cfg, tmp_path)
+    assert again == first and (tmp_path / "summary.json").read_bytes() == written  # not the untrained eval
+    with pytest.raises(ConfigError, match="checkpoint at step 4, past train.steps=3"):
+        train(override(cfg, {"train.steps": 3}), tmp_path)
+    # Finished, but the summary was lost (a crash after the last checkpoint): it is written again, from
+    # the final state, not from the initial eval.
+    (tmp_path / "summary.json").unlink()
+    rebuilt = train(cfg, tmp_path)
+    assert rebuilt["eval"] == first["eval"] and rebuilt["loss"] == first["loss"]
+
+
+def test_a_fresh_run_rewrites_foreign_logs_and_an_out_that_is_a_file_is_refused(tmp_path):
+    cfg = override(presets.get("tiny"), {"train.steps": 2, "train.eval_batches": 1})
+    (tmp_path / "metrics.jsonl").write_text('{"not": "a moelab record"}\n')
+    assert train(cfg, tmp_path)["step"] == 2
+    assert all("step" in json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="is an existing file"):
+        train(cfg, tmp_path / "a_file")
+
+
 def test_retention_keeps_the_newest_k_and_every_mth(tmp_path):
     cfg = override(presets.get("tiny"), {"train.steps": 12, "train.eval_batches": 1, "checkpoint.every": 2,
                                          "checkpoint.keep_last": 2, "checkpoint.keep_every": 4})

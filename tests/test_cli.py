@@ -43,6 +43,7 @@ def test_presets_lists_every_preset(monkeypatch, capsys):
         (["train", "--preset", "tiny", "--set", "train.steps"], "section.field=value"),
         (["train", "--preset", "tiny", "--set", "model.vocab_size=100"], "model.vocab_size=100"),
         (["train"], "exactly one of CONFIG.yaml or --preset"),
+        (["train", "--preset", "tiny", "--set", "model.seq_len=100000"], "fewer than one row of seq_len + 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, monkeypatch, capsys, tmp_path):
@@ -52,6 +53,30 @@ def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, mo
     assert message in " ".join(err.split())
     assert "Traceback" not in err
     assert not out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--preset", "tiny", "--steps", "abc"], "Invalid value for '--steps'"),
+        (["train", "--bogus"], "No such option: --bogus"),
+        (["nosuchcmd"], "No such command 'nosuchcmd'"),
+        (["lab", "amend", "demo-tiny", "experiments/demo-spec.yaml"], "Missing option '--reason'"),
+    ],
+)
+def test_command_line_usage_errors_exit_2_with_a_usage_message(args, message, monkeypatch, capsys):
+    """Parsing errors from click (or the copy newer typer releases bundle) print usage, not a traceback."""
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2
+    assert message in " ".join(err.split())
+    assert "Traceback" not in err
+
+
+def test_flops_tokens_accepts_scientific_notation_and_refuses_fractions(monkeypatch, capsys):
+    code, out, _ = run_cli(["flops", "--preset", "tiny", "--tokens", "1e9", "--json"], monkeypatch, capsys)
+    assert code == 0 and json.loads(out)["tokens"] == 10**9
+    code, _, err = run_cli(["flops", "--preset", "tiny", "--tokens", "1.5"], monkeypatch, capsys)
+    assert code == 2 and "--tokens=1.5 is invalid" in err
 
 
 def test_malformed_and_unknown_key_yaml_exit_2(tmp_path, monkeypatch, capsys):

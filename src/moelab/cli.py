@@ -57,13 +57,21 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         err_console.print("Aborted.")
         sys.exit(130)
-    except Exception as e:  # click's usage errors carry their own exit code
-        import click
-
-        if isinstance(e, click.ClickException):
+    except Exception as e:
+        if _is_usage_error(e):
             e.show()
             sys.exit(e.exit_code)
         raise
+
+
+def _is_usage_error(e: Exception) -> bool:
+    """A command-line parsing error (click's, or the copy of click that newer typer releases bundle):
+    it prints its own one-paragraph usage message and carries its exit code (2)."""
+    import click
+
+    bundled = getattr(getattr(typer, "_click", None), "exceptions", None)
+    kinds = (click.ClickException, *((bundled.ClickException,) if bundled else ()))
+    return isinstance(e, kinds)
 
 
 @app.command("presets")
@@ -83,15 +91,16 @@ def presets_cmd(json_out: JsonOpt = False) -> None:
 def flops(
     config: ConfigArg = None,
     preset: PresetOpt = None,
-    tokens: Annotated[Optional[int], typer.Option(help="Training tokens (default: steps x batch x sequence).")] = None,
+    tokens: Annotated[Optional[float], typer.Option(
+        help="Training tokens, e.g. 1e9 or 18.75e12 (default: steps x batch x sequence).")] = None,
     sets: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Parameter counts (total / active / embedding) and training FLOPs of a config."""
     cfg = resolve_config(config, preset, sets)
-    if tokens is not None and tokens <= 0:
-        raise ConfigError(f"--tokens={tokens} is invalid: must be a positive number of tokens.")
-    figures = accounting.summarize(cfg, tokens)
+    if tokens is not None and not (tokens > 0 and float(tokens).is_integer()):
+        raise ConfigError(f"--tokens={tokens:g} is invalid: must be a positive whole number of tokens, e.g. 1e9.")
+    figures = accounting.summarize(cfg, None if tokens is None else int(tokens))
     if json_out:
         print(json.dumps(figures))
         return
@@ -190,6 +199,9 @@ def replan(
     from moelab.train.contingency import comparison_rows, parse_event
     from moelab.train.contingency import replan as make_replan
 
+    if not plan.is_file():
+        raise ConfigError(f"plan file {plan} does not exist; pass a run config YAML with a `plan` section "
+                          "(see the README's re-planning example).")
     result = make_replan(load_yaml(plan), parse_event(event))
     target = out if out is not None else plan.with_name(f"{plan.stem}-replanned.yaml")
     target.write_text(dump_yaml(result.new))

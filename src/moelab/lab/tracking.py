@@ -220,6 +220,8 @@ class WandbSink(_WriterOnly):
         kwargs: dict[str, Any] = {}
         if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
             kwargs["mode"] = "offline"
+            # An offline run is written, not narrated: W&B's ~30 lines per run would bury the step events.
+            kwargs["settings"] = wandb.Settings(silent=os.environ.get("WANDB_SILENT", "true").lower() == "true")
         # One W&B run per OUT: a resumed training (after a preemption, say) continues the run it started.
         id_file = out / "wandb" / "moelab_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]

@@ -76,7 +76,8 @@ def run(
         print(json.dumps(summary))
         return
     out_console.print(f"Prediction for the target in {out / 'prediction.csv'}; fit summary in {out / 'fit.json'}.")
-    out_console.print(f"Train the target against it: moelab train ... --predicted {out / 'prediction.csv'}")
+    out_console.print(f"Train the target against it: moelab train {out / 'target.yaml'} --predicted "
+                      f"{out / 'prediction.csv'} --out {out / 'target'}")
 
 
 @ladder_app.command()

@@ -345,6 +345,7 @@ class OnTrack:
         planned = Run(run, rows[0]["params"], [r["step"] for r in rows], [r["tokens"] for r in rows],
                       [r["lr"] for r in rows])
         self.run = run
+        self.params, self.last_step = rows[0]["params"], int(max(r["step"] for r in rows))  # the planned run
         self._steps = planned.steps
         self._band = {k: np.array([r[k] for r in rows]) for k in ("loss_pred", "lo95", "hi95")}
         self._first_step = float(planned.steps[int(np.argmax(fitted_rows(planned)))])

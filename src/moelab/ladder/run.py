@@ -7,6 +7,7 @@ Layout of `--out`:
     rungs/<name>/      each rung's training run (resumable: re-running the command skips or resumes)
     curves.csv         every eval of every rung, in the CURVES.csv contract (`ladder.predict`)
     target.csv         the target's planned schedule at its eval steps (TARGET.csv)
+    target.yaml        the target's run config, as predicted: `moelab train target.yaml --predicted ...`
     prediction.csv     target rows + loss_pred, lo80, hi80, lo95, hi95 (PRED.csv)
     fit.json           the fitted law's summary
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from moelab.accounting import count_params
-from moelab.config import RunConfig
+from moelab.config import RunConfig, dump_yaml
 from moelab.ladder.rungs import EVALS_PER_RUN, LadderRecipe, check_monotone, rungs_of
 
 __all__ = ["curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder", "target_config"]
@@ -77,6 +78,7 @@ def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "curves.csv", [row for cfg, run_dir in rungs for row in curve_rows(cfg, run_dir)])
     write_csv(out / "target.csv", target_rows(target))
+    (out / "target.yaml").write_text(dump_yaml(target))  # the run the prediction is for, ready to train
     summary = fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap)
     (out / "fit.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

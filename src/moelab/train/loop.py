@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
@@ -222,6 +223,31 @@ def _stop_requests():
 _LOGS = ("metrics.jsonl", "incidents.jsonl", "mixture_log.jsonl", "samples.jsonl", "router_load.jsonl")
 
 
+def _warn_if_predicted_for_another_run(on_track, cfg: RunConfig, predicted: str | Path) -> None:
+    """A prediction is for one planned run: another name, size or length makes its band meaningless."""
+    from moelab.accounting import count_params
+
+    mismatches = []
+    if on_track.run != cfg.name:
+        mismatches.append(f"run {on_track.run!r}, not {cfg.name!r}")
+    if on_track.params and abs(on_track.params / count_params(cfg.model).active - 1) > 0.01:
+        mismatches.append(f"{on_track.params:,.0f} active parameters, not {count_params(cfg.model).active:,}")
+    if on_track.last_step != cfg.train.steps:
+        mismatches.append(f"{on_track.last_step} steps, not {cfg.train.steps}")
+    if mismatches:
+        warnings.warn(f"{predicted} predicts {'; '.join(mismatches)}: its band is for another run. Train the "
+                      "ladder's target.yaml against it, or refit the ladder for this run.", stacklevel=3)
+
+
+def _finished_summary(out: Path, steps: int) -> dict | None:
+    """The summary a finished run wrote, if it covers `steps` steps."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("step") == steps else None
+
+
 def _open_run_file(path: Path, mode: str) -> IO[str]:
     """`path` opened for writing on the process that writes the run's files; os.devnull on the others."""
     return open(path if mesh_lib.is_writer() else os.devnull, mode)
@@ -231,7 +257,16 @@ def _read_jsonl_until(path: Path, step: int) -> list[str]:
     """Lines of a JSONL log whose `step` is at most `step`: what survives a resume from `step`."""
     if not path.is_file():
         return []
-    return [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    kept = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line) if line else None
+            if record is not None and record["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path}:{number} is not a moelab log line (no step), so this is not the run its "
+                              f"checkpoint belongs to; pass a new --out, or move {path} away.") from None
+    return kept
 
 
 def _reopen_log(files: contextlib.ExitStack, path: Path, kept: list[str]) -> IO[str]:
@@ -265,20 +300,28 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
         from moelab.ladder.predict import OnTrack, load_prediction  # scipy: only when predictions are checked
 
         on_track = OnTrack(load_prediction(predicted))
+        _warn_if_predicted_for_another_run(on_track, cfg, predicted)
     changes = check_resumable(load_yaml(out / "config.yaml"), cfg) if (out / "config.yaml").is_file() else {}
     mesh_lib.check_dispatch(cfg)
     mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
     corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
-    out.mkdir(parents=True, exist_ok=True)
+    t, m = cfg.train, cfg.model
+    held_out = {d: eval_batches(corpus, d, t.eval_batches, t.batch_size, m.seq_len) for d in corpus.domains}  # likewise
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output directory {out} is an existing file: pass a directory path (--out).")
     try:
-        return _train(cfg, out, hooks, on_track, changes, mesh, corpus, sinks)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the output directory {out} ({e.strerror}): pass a writable path (--out).") from None
+    try:
+        return _train(cfg, out, hooks, on_track, changes, mesh, corpus, held_out, sinks)
     finally:
         for sink in sinks:
             sink.close()
 
 
 def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mesh: Mesh, corpus: Corpus,
-           sinks: Sequence[tracking.Sink]) -> dict:
+           held_out: dict[str, list[np.ndarray]], sinks: Sequence[tracking.Sink]) -> dict:
     """`train` once its inputs are checked and `out` exists."""
     published = sinks if mesh_lib.is_writer() else ()  # a run's outputs go out once, from process 0
 
@@ -287,8 +330,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
             getattr(sink, kind)(*payload)
 
     t, m = cfg.train, cfg.model
-    eval_sets = {d: [mesh_lib.place_batch(b, mesh) for b in eval_batches(corpus, d, t.eval_batches, t.batch_size,
-                                                                         m.seq_len)] for d in corpus.domains}
+    eval_sets = {d: [mesh_lib.place_batch(b, mesh) for b in batches] for d, batches in held_out.items()}
     state = init_sharded_state(cfg, mesh)
     train_step, eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
     prompts = tracking.sample_prompts(corpus, m.seq_len)
@@ -297,7 +339,18 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
     checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
     restored = checkpoints.restore_newest(like=state)
     start = 0 if restored is None else restored.step
-    kept = {name: _read_jsonl_until(out / name, start) for name in _LOGS}
+    if start > t.steps:
+        checkpoints.close()
+        raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={t.steps}: pass --steps "
+                          f"{start} or more to continue it, or a new --out for a shorter run.")
+    # A finished run is left as it is (process 0 reads its summary; every process agrees).
+    if start == t.steps and mesh_lib.from_process_0(lambda: _finished_summary(out, t.steps) is not None):
+        checkpoints.close()
+        warnings.warn(f"{out} already finished its {t.steps} steps; nothing to do (its summary.json is unchanged). "
+                      "Pass a larger --steps to train on, or a new --out for a new run.", stacklevel=2)
+        return _finished_summary(out, t.steps) or {"step": t.steps, "resumed_from": start}
+    # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
+    kept = {name: _read_jsonl_until(out / name, start) if start else [] for name in _LOGS}
     if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
         multihost_utils.sync_global_devices("moelab.train: run files read")
     if restored is not None:
@@ -319,6 +372,9 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
                                               "realized_tokens": mixture.counts})
 
     last_eval, record, tokens_per_s = initial_eval, {}, 0.0
+    if start == t.steps:  # finished, but its summary was never written: summarize the final state again
+        last_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
+        record = json.loads(kept["metrics.jsonl"][-1]) if kept["metrics.jsonl"] else {}
     monitor, incidents = Monitor(cfg.monitor), []
     with contextlib.ExitStack() as files:
         stop = files.enter_context(_stop_requests())
