@@ -257,13 +257,15 @@ def _read_jsonl_until(path: Path, step: int) -> list[str]:
     """Lines of a JSONL log whose `step` is at most `step`: what survives a resume from `step`."""
     if not path.is_file():
         return []
-    kept = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    kept, lines = [], path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line) if line else None
             if record is not None and record["step"] <= step:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
+            if number == len(lines):  # a line torn by a kill mid-write: past the checkpoint anyway
+                break
             raise ConfigError(f"{path}:{number} is not a moelab log line (no step), so this is not the run its "
                               f"checkpoint belongs to; pass a new --out, or move {path} away.") from None
     return kept
