@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from helpers import run_cli
 from moelab.config import ConfigError, RunConfig, dump_yaml, load_yaml, override
 from moelab.data.mixture import phase_boundaries
 from moelab.train.contingency import (
@@ -245,3 +246,18 @@ def test_comparison_rows_put_old_and_new_numbers_side_by_side():
     assert rows["midtrain start (step)"] == ("800", "640")
     assert rows["deadline (h)"] == ("0.28", "0.28")
     assert rows["finish - deadline (h)"] == ("+0.00", "+0.00")
+
+
+def test_replan_command_writes_the_new_plan_says_when_it_replaces_one_and_refuses_a_missing_file(
+        tmp_path, monkeypatch, capsys):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(dump_yaml(_plan()))
+    args = ["replan", str(plan), "--event", "devices_lost:step=200,count=2"]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    assert code == 0 and "replaced" not in out
+    assert load_yaml(tmp_path / "plan-replanned.yaml").train.steps < STEPS
+    code, out, _ = run_cli(args, monkeypatch, capsys)
+    assert code == 0 and "it replaced the file there" in " ".join(out.split())
+    code, _, err = run_cli(["replan", str(tmp_path / "nope.yaml"), "--event", "devices_lost:step=1,count=1"],
+                           monkeypatch, capsys)
+    assert code == 2 and "plan file" in err and "--preset" not in err

@@ -204,6 +204,7 @@ def replan(
                           "(see the README's re-planning example).")
     result = make_replan(load_yaml(plan), parse_event(event))
     target = out if out is not None else plan.with_name(f"{plan.stem}-replanned.yaml")
+    replaced = target.exists()
     target.write_text(dump_yaml(result.new))
     if json_out:
         summary = {k: v for k, v in to_dict(result).items() if k not in ("old", "new")}
@@ -214,7 +215,8 @@ def replan(
         table.add_row(*row)
     out_console.print(table)
     out_console.print(result.explanation)
-    out_console.print(f"New plan written to {target} (train it with `moelab train {target}`).")
+    out_console.print(f"New plan written to {target}{' (it replaced the file there)' if replaced else ''} "
+                      f"(train it with `moelab train {target}`).")
 
 
 DEMO_SPEC = Path("experiments/demo.yaml")
