@@ -44,6 +44,8 @@ def main() -> None:
     warnings.showwarning = _show_warning
     try:
         code = app(standalone_mode=False)  # returns a typer.Exit's code instead of raising it
+        if code == 130:  # newer typer turns Ctrl-C (outside the training loop's own handler) into this code
+            _aborted()
         if code:
             sys.exit(code)
     except Preempted as e:
@@ -55,13 +57,24 @@ def main() -> None:
         err_console.print(f"[bold red]Error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
-        err_console.print("Aborted.")
-        sys.exit(130)
+        _aborted()
     except Exception as e:
         if _is_usage_error(e):
             e.show()
             sys.exit(e.exit_code)
         raise
+
+
+def _aborted() -> None:
+    """Ctrl-C before or between training steps (the loop saves and exits 75 on its own): exit 130 now.
+
+    A hard exit: interrupted while XLA compiles (loading, tracing), a normal interpreter shutdown
+    crashed in XLA's threads (exit 139). Nothing is being written at that point.
+    """
+    err_console.print("Aborted.")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _is_usage_error(e: Exception) -> bool:
