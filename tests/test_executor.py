@@ -5,6 +5,7 @@ the same DAG."""
 import fcntl
 import functools
 import json
+import re
 import os
 import signal
 import subprocess
@@ -269,9 +270,10 @@ def test_lab_run_trains_a_registered_config_and_puts_every_step_on_the_ledger(tm
     code, out, _ = run_cli(["lab", "run", "tiny-smoke", "--dry-run", "--json", *lab], monkeypatch, capsys)
     [planned] = json.loads(out)
     assert code == 0 and planned["action"] == "run" and not Path(planned["output_dir"]).exists()
-    code, out, _ = run_cli(["lab", "run", "tiny-smoke", "--json", *lab], monkeypatch, capsys)
+    code, out, err = run_cli(["lab", "run", "tiny-smoke", "--json", *lab], monkeypatch, capsys)
     [outcome] = json.loads(out)
     assert code == 0 and outcome["status"] == SUCCESS and outcome["output_dir"] == planned["output_dir"]
+    assert re.search(r"^tiny .* 2/2 .*loss", err, re.M), err  # the local step's progress bar, at 2 of 2 steps
     run_dir = Path(outcome["output_dir"])
     assert run_dir.parent == tmp_path / "runs" / "lab" / "tiny-smoke" and run_dir.name.startswith("train-")
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -12,6 +12,7 @@ value and the fix; set MOELAB_DEBUG=1 for the traceback).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -180,12 +181,25 @@ def _mesh_fields(spec: str | None) -> dict:
 
 def run_training(cfg: RunConfig, out: Path, predicted: Path | None = None) -> dict:
     """Train with a Rich progress bar on stderr (process 0's only, on a multi-host run)."""
+    from moelab.parallel import mesh as mesh_lib
+    from moelab.train.loop import train
+
+    mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
+    with training_progress(cfg) as hooks:
+        return train(cfg, out, hooks, predicted)
+
+
+@contextlib.contextmanager
+def training_progress(cfg: RunConfig):
+    """A progress bar for one training run (steps, loss, tokens/s) on stderr; yields the loop's Hooks.
+
+    `moelab train`, `ladder run` and the local `lab run` / `demo` steps show it; process 0 only.
+    """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moelab.parallel import mesh as mesh_lib
-    from moelab.train.loop import Hooks, train
+    from moelab.train.loop import Hooks
 
-    mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
     with Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
         TextColumn("{task.fields[status]}"), console=err_console, transient=False, disable=not mesh_lib.is_writer(),
@@ -195,8 +209,7 @@ def run_training(cfg: RunConfig, out: Path, predicted: Path | None = None) -> di
         def on_log(record: dict) -> None:
             progress.update(task, status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
 
-        hooks = Hooks(on_step=lambda done: progress.update(task, completed=done), on_log=on_log)
-        return train(cfg, out, hooks, predicted)
+        yield Hooks(on_step=lambda done: progress.update(task, completed=done), on_log=on_log)
 
 
 @app.command()
@@ -245,7 +258,7 @@ def demo(
     Re-running reuses every finished step (seconds); the report states the hypothesis verdict.
     """
     from moelab.lab.cli import show_outcomes
-    from moelab.lab.executor import run_experiment
+    from moelab.lab.executor import run_experiment, show_training_progress
     from moelab.lab.ledger import open_ledger
     from moelab.lab.registry import load_experiment, read_spec_file, register
     from moelab.lab.report import experiment_verdict, write_report
@@ -261,7 +274,8 @@ def demo(
     except ConfigError:
         register(ledger, spec)
         err_console.print(f"Registered {exp_id} in {ledger.path} before running anything.")
-    show_outcomes(exp_id, run_experiment(ledger, exp_id, root, spec_path=spec))
+    with show_training_progress(training_progress):
+        show_outcomes(exp_id, run_experiment(ledger, exp_id, root, spec_path=spec))
     html = write_report(ledger, exp_id)
     verdict, value = experiment_verdict(ledger, exp_id)
     metric = load_experiment(ledger, exp_id).spec.prediction.metric

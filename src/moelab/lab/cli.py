@@ -170,7 +170,14 @@ def run(
     todo = [f"{p.name} (resume)" if p.action == "resume" else p.name for p in planned if p.action != "skip"]
     err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
                       highlight=False)
-    outcomes = run_experiment(book, exp_id, root, spec, backend)
+    if backend == "local":  # steps train in this process: show each one's progress bar
+        from moelab.cli import training_progress
+        from moelab.lab.executor import show_training_progress
+
+        with show_training_progress(training_progress):
+            outcomes = run_experiment(book, exp_id, root, spec, backend)
+    else:
+        outcomes = run_experiment(book, exp_id, root, spec, backend)
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))
     show_outcomes(exp_id, outcomes, table=not json_out)

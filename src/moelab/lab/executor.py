@@ -41,6 +41,7 @@ runs it with every step's start, end or failure on the ledger (`run_experiment`)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import fcntl
@@ -498,7 +499,25 @@ def run_training(ctx: StepContext) -> dict:
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
         predicted = ctx.output_dir / "prediction.csv"
         shutil.copyfile(ctx.deps[ctx.config["predicted_by"]] / "prediction.csv", predicted)
-    return train(cfg, ctx.output_dir, predicted=predicted, sinks=sinks)
+    progress = _training_progress or (lambda cfg: contextlib.nullcontext(None))
+    with progress(cfg) as hooks:
+        return train(cfg, ctx.output_dir, hooks, predicted=predicted, sinks=sinks)
+
+
+# How a training step shows its progress in this process: set by the command line for the local
+# backend (`show_training_progress`); Ray workers, other processes, leave it unset and run quietly.
+_training_progress: Callable[[RunConfig], Any] | None = None
+
+
+@contextlib.contextmanager
+def show_training_progress(factory: Callable[[RunConfig], Any]):
+    """Within the block, local training steps run under `factory(cfg)`, a context manager yielding Hooks."""
+    global _training_progress
+    previous, _training_progress = _training_progress, factory
+    try:
+        yield
+    finally:
+        _training_progress = previous
 
 
 def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
