@@ -6,6 +6,7 @@ second, so a deadline of None means 1,000 s and every hand computation below cou
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,10 @@ def test_replan_command_writes_the_new_plan_says_when_it_replaces_one_and_refuse
     code, _, err = run_cli(["replan", str(tmp_path / "nope.yaml"), "--event", "devices_lost:step=1,count=1"],
                            monkeypatch, capsys)
     assert code == 2 and "plan file" in err and "--preset" not in err
+
+
+def test_the_shipped_plan_gives_the_readme_table():
+    """experiments/plan.yaml losing 8 of 64 devices at step 1200: the README's 10,000 -> 9,206 steps."""
+    plan = load_yaml(Path(__file__).resolve().parents[1] / "experiments" / "plan.yaml")
+    result = replan(plan, parse_event("devices_lost:step=1200,count=8"))
+    assert (plan.train.steps, result.new.train.steps, result.new.plan.num_devices) == (10_000, 9_206, 56)

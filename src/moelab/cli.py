@@ -231,6 +231,7 @@ def replan(
     result = make_replan(load_yaml(plan), parse_event(event))
     target = out if out is not None else plan.with_name(f"{plan.stem}-replanned.yaml")
     replaced = target.exists()
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(dump_yaml(result.new))
     if json_out:
         summary = {k: v for k, v in to_dict(result).items() if k not in ("old", "new")}
