@@ -100,12 +100,13 @@ def peak_memory_bytes() -> int | None:
 
 
 def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budget_s: float,
-                    profile: bool = False) -> dict:
+                    profile: bool = False, on_timed=None) -> dict:
     """Median seconds per step of the real train step, and the steps per window actually timed.
 
     If the last warm-up step says `windows x steps` would take longer than `budget_s`, fewer steps
     are timed (at least one per window), so a slow backend still finishes. With `profile`, two more
-    steps are traced and their device time summed per kernel (`profile_summary.py`).
+    steps are traced and their device time summed per kernel (`profile_summary.py`); `on_timed(timing)`
+    is called first, so a profile that never finishes cannot cost the timing.
     """
     mesh = mesh_lib.make_mesh(cfg.mesh)
     state = init_sharded_state(cfg, mesh)
@@ -136,6 +137,9 @@ def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budge
               "first_step_s": first_step_s, "final_loss": float(metrics["loss"]),
               "drop_fraction": float(metrics["drop_fraction"])}
     if profile:
+        if on_timed is not None:
+            on_timed(dict(timing))
+
         def one_step():  # the state's buffers are donated: each step feeds the next
             nonlocal state
             state, step_metrics = step(state, batches[0])
@@ -179,7 +183,7 @@ def xla_attention():
         transformer._attention_implementation = chosen
 
 
-def timed_with_attention(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict, dict]:
+def timed_with_attention(cfg: RunConfig, args: argparse.Namespace, on_timed=None) -> tuple[dict, dict]:
     """`time_train_step`, plus which attention ran: cuDNN's, or XLA's and why.
 
     cuDNN can decline when the step is traced (the model then warns and uses XLA's) or fail later,
@@ -189,12 +193,14 @@ def timed_with_attention(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s, args.profile)
+            timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s, args.profile,
+                                     on_timed)
         except Exception as e:  # noqa: BLE001 - only a cuDNN failure is retried
             if wanted == "xla" or "cudnn" not in str(e).lower():
                 raise
             with xla_attention():
-                timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s, args.profile)
+                timing = time_train_step(cfg, args.steps, args.warmup, args.windows, args.budget_s, args.profile,
+                                         on_timed)
             return timing, {"attention": "xla", "attention_note": f"cudnn failed: {type(e).__name__}: {str(e)[:500]}"}
     declined = [str(w.message) for w in caught if "attention declined" in str(w.message)]
     for w in caught:  # the rest were only caught along: let them through
@@ -205,8 +211,23 @@ def timed_with_attention(cfg: RunConfig, args: argparse.Namespace) -> tuple[dict
     return timing, {"attention": wanted}
 
 
+def result_path(out_dir: str, result: dict) -> Path:
+    return Path(out_dir) / f"mfu_{result['preset']}_{result['backend']}.json"
+
+
+def write_result(path: Path, result: dict) -> None:
+    """Atomically (a temporary file, then a rename): a run killed mid-write leaves the previous version."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
 def run_one(preset: str, backend: str | None, args: argparse.Namespace, peak: dict) -> dict:
-    """One preset x backend as a JSON-ready dict; a failure becomes `status` "error" with the message."""
+    """One preset x backend as a JSON-ready dict; a failure becomes `status` "error" with the message.
+
+    With --profile and --out-dir, the timed result is written before the profile runs, so a run
+    killed while profiling (the suite's per-run cap) keeps its figures.
+    """
     result = {"benchmark": "mfu", "preset": preset, "device": jax.devices()[0].device_kind,
               "platform": jax.default_backend(), "jax": jax.__version__, "datasheet_peak_flops": DATASHEET_PEAK,
               "matmul_n": peak["n"], "matmul_peak_flops": peak["flops_per_s"]}
@@ -214,7 +235,14 @@ def run_one(preset: str, backend: str | None, args: argparse.Namespace, peak: di
         cfg = resolve_config(preset, backend, args.tiny, args.batch_size)
         result |= {"backend": cfg.model.moe.dispatch, "tiny": args.tiny, "remat": cfg.model.remat,
                    "compute_dtype": cfg.train.compute_dtype}
-        timing, attention = timed_with_attention(cfg, args)
+
+        def on_timed(timing: dict) -> None:
+            if args.out_dir is not None:
+                write_result(result_path(args.out_dir, result), {
+                    **result, **report(cfg, timing, peak), "status": "ok",
+                    "profile": {"error": "killed before the profile finished"}})
+
+        timing, attention = timed_with_attention(cfg, args, on_timed)
         result |= attention | report(cfg, timing, peak)
         result["status"] = "ok"
     except Exception as e:  # noqa: BLE001 - one failed run (OOM, a backend that cannot lower) must still report
@@ -253,11 +281,10 @@ def main() -> None:
         if len(runs) > 1 and args.out_dir is None:
             parser.error("several --run need --out-dir")
         results = [run_one(preset, backend or None, args, peak) for preset, backend in runs]
-        names = [f"mfu_{r['preset']}_{r['backend']}.json" for r in results]
+        names = [result_path("", r).name for r in results]
     for name, result in zip(names, results):
         if args.out_dir is not None:
-            with open(f"{args.out_dir}/{name}", "w") as f:
-                json.dump(result, f, indent=1)
+            write_result(Path(args.out_dir) / name, result)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
 
 

@@ -122,8 +122,9 @@ def _inputs(cfg: ModelConfig, tokens: int):
 
 
 def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, backend_fn=None,
-                 profile: bool = False) -> dict:
-    """Median seconds of one jitted forward + backward of the layer; with `profile`, its kernels too.
+                 profile: bool = False, on_timed=None) -> dict:
+    """Median seconds of one jitted forward + backward of the layer; with `profile`, its kernels too
+    (after `on_timed(timing)`, so a profile that never finishes cannot cost the timing).
 
     `backend_fn(h, routing, experts, capacity_factor)`, if given, replaces the configured backend
     through `moe.apply`'s backend hook (how `grouped` runs with other tiles).
@@ -142,9 +143,12 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
     layer = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
     timing = time_call(layer, (params, x), iters, budget_s)
     (_, drop_fraction), _ = timing.pop("out")
+    timing["drop_fraction"] = float(drop_fraction)
     if profile:
+        if on_timed is not None:
+            on_timed(dict(timing))
         timing["profile"] = profile_call(lambda: layer(params, x))
-    return {**timing, "drop_fraction": float(drop_fraction)}
+    return timing
 
 
 def _swiglu_buffers(buf, w_gate, w_up, w_down):
@@ -301,9 +305,18 @@ def main() -> None:
 
     def timed_layer(backend: str, backend_fn=None) -> dict:
         cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.capacity_factor)
-        timing = time_backend(cfg, args.tokens, args.iters, args.budget_s, backend_fn,
-                              profile=args.profile and backend_fn is None)
-        return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12, "peak_memory_bytes": _peak_memory()}
+
+        def figures(timing: dict) -> dict:
+            return {**timing, "useful_tflops_per_s": flops / timing["seconds"] / 1e12,
+                    "peak_memory_bytes": _peak_memory()}
+
+        def on_timed(timing: dict) -> None:  # on disk before the profile, which a cap could kill
+            result["backends"][backend] = {**figures(timing), "status": "ok",
+                                           "profile": {"error": "killed before the profile finished"}}
+            save("running")
+
+        return figures(time_backend(cfg, args.tokens, args.iters, args.budget_s, backend_fn,
+                                    profile=args.profile and backend_fn is None, on_timed=on_timed))
 
     if args.check:
         result["check"] = _guarded(functools.partial(check_grouped, args))

@@ -143,6 +143,36 @@ def test_a_failing_profiler_costs_the_profile_not_the_run(monkeypatch):
         "error": "RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"}
 
 
+def test_runs_killed_while_profiling_keep_their_timing(tmp_path, monkeypatch):
+    """The suite caps each run; the figures are on disk before the profile starts."""
+    class Killed(BaseException):  # what a timeout's SIGKILL would end: nothing after it runs
+        pass
+
+    def killed(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(mfu, "profile_call", killed)
+    args = mfu.argparse.Namespace(steps=1, warmup=0, windows=1, budget_s=1.0, profile=True, out_dir=str(tmp_path),
+                                  tiny=True, batch_size=None)
+    with pytest.raises(Killed):
+        mfu.run_one("gpu-small", "capacity", args, {"n": 256, "flops_per_s": 1e9})
+    kept = json.loads((tmp_path / "mfu_gpu-small_capacity.json").read_text())
+    assert kept["status"] == "ok" and kept["step_time_s"] > 0 and kept["tokens_per_s"] > 0
+    assert kept["profile"] == {"error": "killed before the profile finished"}
+
+    # The layer benchmark likewise.
+    monkeypatch.setattr(moe_layer, "profile_call", killed)
+    out = tmp_path / "moe_layer.json"
+    monkeypatch.setattr(sys, "argv", ["moe_layer.py", "--tokens", "256", "--d", "64", "--experts", "8", "--topk",
+                                      "2", "--width", "32", "--iters", "1", "--backends", "capacity", "--profile",
+                                      "--out", str(out)])
+    with pytest.raises(Killed):
+        moe_layer.main()
+    layer = json.loads(out.read_text())["backends"]["capacity"]
+    assert layer["status"] == "ok" and layer["useful_tflops_per_s"] > 0
+    assert layer["profile"] == {"error": "killed before the profile finished"}
+
+
 def test_mfu_remeasures_on_xla_attention_when_cudnn_fails_to_compile(monkeypatch):
     """A cuDNN failure past its trace-time checks costs a re-measurement, not the run; the note says why."""
     monkeypatch.setattr(transformer, "_attention_implementation", lambda dtype: "cudnn")
