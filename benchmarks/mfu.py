@@ -38,6 +38,7 @@ from moelab.train.loop import compute_dtype, make_train_step
 from moelab.train.state import init_sharded_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads
+from moe_layer import write_json  # noqa: E402  (atomic: a killed run leaves the previous file)
 from profile_summary import profile_call  # noqa: E402
 
 DATASHEET_PEAK = 989e12  # H100 / H200 SXM dense bf16, FLOP/s
@@ -215,13 +216,6 @@ def result_path(out_dir: str, result: dict) -> Path:
     return Path(out_dir) / f"mfu_{result['preset']}_{result['backend']}.json"
 
 
-def write_result(path: Path, result: dict) -> None:
-    """Atomically (a temporary file, then a rename): a run killed mid-write leaves the previous version."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
-
-
 def run_one(preset: str, backend: str | None, args: argparse.Namespace, peak: dict) -> dict:
     """One preset x backend as a JSON-ready dict; a failure becomes `status` "error" with the message.
 
@@ -238,7 +232,7 @@ def run_one(preset: str, backend: str | None, args: argparse.Namespace, peak: di
 
         def on_timed(timing: dict) -> None:
             if args.out_dir is not None:
-                write_result(result_path(args.out_dir, result), {
+                write_json(result_path(args.out_dir, result), {
                     **result, **report(cfg, timing, peak), "status": "ok",
                     "profile": {"error": "killed before the profile finished"}})
 
@@ -284,7 +278,7 @@ def main() -> None:
         names = [result_path("", r).name for r in results]
     for name, result in zip(names, results):
         if args.out_dir is not None:
-            write_result(Path(args.out_dir) / name, result)
+            write_json(Path(args.out_dir) / name, result)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
 
 

@@ -253,7 +253,7 @@ def _guarded(fn) -> dict:
         return {"status": "error", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
 
 
-def _write(path: str, result: dict) -> None:
+def write_json(path: str | Path, result: dict) -> None:
     """Atomically (a temporary file, then a rename): a run killed mid-write leaves the previous version."""
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(result, indent=1))
@@ -301,7 +301,7 @@ def main() -> None:
 
     def save(status: str) -> None:  # after every step, so a later one that hangs past a timeout loses only itself
         if args.out:
-            _write(args.out, {**result, "status": status})
+            write_json(args.out, {**result, "status": status})
 
     def timed_layer(backend: str, backend_fn=None) -> dict:
         cfg = layer_config(args.d, args.experts, args.topk, args.width, backend, args.capacity_factor)

@@ -16,7 +16,11 @@ import datetime as dt
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads
+import profile_summary  # noqa: E402
 
 MOE_PRESETS = ("gpu-small", "gpu-medium")
 MOE_BACKENDS = ("capacity", "grouped", "ep", "dropless")
@@ -66,8 +70,6 @@ def _breakdown(layer: dict) -> list[str]:
     return lines
 
 
-PROFILE_CATEGORIES = ("grouped GEMM (Pallas)", "matmul", "attention", "sort", "row moves", "collectives",
-                      "other XLA kernels")
 
 
 def _profiles(out: Path, layer: dict) -> list[str]:
@@ -78,13 +80,13 @@ def _profiles(out: Path, layer: dict) -> list[str]:
     if not runs:
         return []
     lines = ["", "Device time per call by kernel (two traced calls; share of the traced kernel time):", "",
-             f"| run | kernel ms | {' | '.join(PROFILE_CATEGORIES)} | top kernels |",
-             "|---|---|" + "---|" * len(PROFILE_CATEGORIES) + "---|"]
+             f"| run | kernel ms | {' | '.join(profile_summary.LABELS)} | top kernels |",
+             "|---|---|" + "---|" * len(profile_summary.LABELS) + "---|"]
     for name, prof in runs:
         if "error" in prof:
-            lines.append(f"| {name} | - |{' - |' * len(PROFILE_CATEGORIES)} profile failed: {prof['error'][:60]} |")
+            lines.append(f"| {name} | - |{' - |' * len(profile_summary.LABELS)} profile failed: {prof['error'][:60]} |")
             continue
-        shares = [_num(prof["categories"].get(c, {}).get("share"), ".0%") for c in PROFILE_CATEGORIES]
+        shares = [_num(prof["categories"].get(c, {}).get("share"), ".0%") for c in profile_summary.LABELS]
         top = "; ".join(f"{t['name'][:40]} {t['ms']:.2f} ms" for t in prof["top"][:3])
         lines.append(f"| {name} | {prof['kernel_ms_per_call']:.2f} | {' | '.join(shares)} | {top} |")
     return lines

@@ -113,6 +113,9 @@ def _assert_profile(profile: dict) -> None:
 ])
 def test_profile_categories_name_gpu_kernels(kernel, expected):
     assert profile_summary.category(kernel) == expected
+    # The suite's table shows every category the rules can give, once.
+    assert sorted(profile_summary.LABELS) == sorted([label for label, _ in profile_summary.CATEGORIES]
+                                                    + [profile_summary.OTHER])
 
 
 def test_profile_summary_reads_the_gpu_streams_and_not_the_op_lines():
@@ -138,7 +141,7 @@ def test_a_failing_profiler_costs_the_profile_not_the_run(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("CUPTI_ERROR_INSUFFICIENT_PRIVILEGES")
 
-    monkeypatch.setattr(profile_summary.jax.profiler, "trace", broken)
+    monkeypatch.setattr(jax.profiler, "trace", broken)
     assert profile_summary.profile_call(lambda: jnp.ones(2)) == {
         "error": "RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"}
 

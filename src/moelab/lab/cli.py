@@ -16,6 +16,7 @@ checkpoint: rerun the same `moelab lab run` to resume it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -170,13 +171,11 @@ def run(
     todo = [f"{p.name} (resume)" if p.action == "resume" else p.name for p in planned if p.action != "skip"]
     err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
                       highlight=False)
-    if backend == "local":  # steps train in this process: show each one's progress bar
-        from moelab.cli import training_progress
-        from moelab.lab.executor import show_training_progress
+    from moelab.cli import training_progress
+    from moelab.lab.executor import show_training_progress
 
-        with show_training_progress(training_progress):
-            outcomes = run_experiment(book, exp_id, root, spec, backend)
-    else:
+    # Local steps train in this process and show each one's progress bar; Ray workers train quietly.
+    with show_training_progress(training_progress) if backend == "local" else contextlib.nullcontext():
         outcomes = run_experiment(book, exp_id, root, spec, backend)
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))

@@ -227,11 +227,11 @@ def _warn_if_predicted_for_another_run(on_track, cfg: RunConfig, predicted: str 
     """A prediction is for one planned run: another name, size or length makes its band meaningless."""
     from moelab.accounting import count_params
 
-    mismatches = []
+    mismatches, active = [], count_params(cfg.model).active
     if on_track.run != cfg.name:
         mismatches.append(f"run {on_track.run!r}, not {cfg.name!r}")
-    if on_track.params and abs(on_track.params / count_params(cfg.model).active - 1) > 0.01:
-        mismatches.append(f"{on_track.params:,.0f} active parameters, not {count_params(cfg.model).active:,}")
+    if on_track.params and abs(on_track.params / active - 1) > 0.01:
+        mismatches.append(f"{on_track.params:,.0f} active parameters, not {active:,}")
     if on_track.last_step != cfg.train.steps:
         mismatches.append(f"{on_track.last_step} steps, not {cfg.train.steps}")
     if mismatches:
@@ -346,11 +346,12 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
         raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={t.steps}: pass --steps "
                           f"{start} or more to continue it, or a new --out for a shorter run.")
     # A finished run is left as it is (process 0 reads its summary; every process agrees).
-    if start == t.steps and mesh_lib.from_process_0(lambda: _finished_summary(out, t.steps) is not None):
+    previous = _finished_summary(out, t.steps) if start == t.steps else None
+    if start == t.steps and mesh_lib.from_process_0(lambda: previous is not None):
         checkpoints.close()
         warnings.warn(f"{out} already finished its {t.steps} steps; nothing to do (its summary.json is unchanged). "
                       "Pass a larger --steps to train on, or a new --out for a new run.", stacklevel=2)
-        return _finished_summary(out, t.steps) or {"step": t.steps, "resumed_from": start}
+        return previous or {"step": t.steps, "resumed_from": start}
     # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
     kept = {name: _read_jsonl_until(out / name, start) if start else [] for name in _LOGS}
     if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
