@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab import accounting, presets
-from moelab.config import MeshConfig, RunConfig
+from moelab.config import ConfigError, MeshConfig, RunConfig
 from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.loop import compute_dtype, make_train_step
@@ -262,6 +262,15 @@ def main() -> None:
                         help="also trace two steps and sum their device time per kernel (profile_summary.py)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = parser.parse_args()
+    runs = [r.split(":") for r in args.run] or [[args.preset, args.backend]]
+    if len(runs) > 1 and args.out_dir is None:
+        parser.error("several --run need --out-dir")
+    if not args.matmul_only:  # a typo exits 2 here, before the matmul peak or any run
+        for preset, backend in runs:
+            try:
+                resolve_config(preset, backend or None, args.tiny, args.batch_size)
+            except (SystemExit, ConfigError) as e:
+                parser.error(str(e))
 
     peak = matmul_peak(256 if args.tiny else None)
     if args.matmul_only:
@@ -271,9 +280,6 @@ def main() -> None:
                     "fraction_of_datasheet": peak["flops_per_s"] / DATASHEET_PEAK, "status": "ok"}]
         names = ["matmul.json"]
     else:
-        runs = [r.split(":") for r in args.run] or [[args.preset, args.backend]]
-        if len(runs) > 1 and args.out_dir is None:
-            parser.error("several --run need --out-dir")
         results = [run_one(preset, backend or None, args, peak) for preset, backend in runs]
         names = [result_path("", r).name for r in results]
     for name, result in zip(names, results):

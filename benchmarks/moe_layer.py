@@ -284,7 +284,10 @@ def main() -> None:
     args = parser.parse_args()
     variants = GROUPED_VARIANTS if args.grouped_variants == "default" else [
         v for v in args.grouped_variants.split(",") if v]
-    grouped_args = {v: parse_variant(v) for v in variants}  # fail on a typo before any work
+    try:
+        grouped_args = {v: parse_variant(v) for v in variants}  # fail on a typo before any work
+    except SystemExit as e:
+        parser.error(str(e))
 
     flops = useful_flops(args.tokens, args.topk, args.d, args.width)
     result = {"benchmark": "moe_layer", "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
@@ -296,7 +299,7 @@ def main() -> None:
     if "backends" in prior:  # else nothing to add to: e.g. the suite's stub for a first part that timed out
         shape = ("tokens", "d", "experts", "topk", "width", "capacity_factor")
         if any(prior.get(k) != result[k] for k in shape):
-            raise SystemExit(f"--merge: {args.out} holds another shape ({', '.join(f'{k}={prior.get(k)}' for k in shape)})")
+            parser.error(f"--merge: {args.out} holds another shape ({', '.join(f'{k}={prior.get(k)}' for k in shape)})")
         result |= {k: prior[k] for k in ("backends", "check", "breakdown") if k in prior}
 
     def save(status: str) -> None:  # after every step, so a later one that hangs past a timeout loses only itself

@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--record", type=Path, default=None, help="also write the results record here")
     args = parser.parse_args()
     if not args.outdir.is_dir():
-        raise SystemExit(f"{args.outdir} is not a folder; pass the OUTDIR gpu_suite.sh wrote into.")
+        parser.error(f"{args.outdir} is not a folder; pass the OUTDIR gpu_suite.sh wrote into.")
     print(render(args.outdir) + "\n\n" + render_targets(args.outdir))
     if args.record:
         args.record.write_text(json.dumps(record(args.outdir), indent=1) + "\n")

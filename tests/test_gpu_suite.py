@@ -410,3 +410,17 @@ def test_layer_merge_refuses_results_of_another_shape(tmp_path):
     proc = _layer_cli("--backends", "", "--merge", "--out", str(out))
     assert proc.returncode != 0 and "another shape (tokens=999" in proc.stderr
     assert json.loads(out.read_text())["tokens"] == 999  # left as it was
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("mfu", ["--run", "nope:capacity", "--out-dir", "."], "unknown preset 'nope'"),
+    ("mfu", ["--preset", "gpu-small", "--backend", "dense", "--tiny"], "--backend dense does not fit preset gpu-small"),
+    ("moe_layer", ["--grouped-variants", "12x"], "is not BMxBNxBKwWARPSsSTAGES"),
+    ("suite_table", ["/nonexistent-outdir"], "is not a folder"),
+])
+def test_benchmark_scripts_exit_2_on_bad_arguments_before_any_work(script, argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        {"mfu": mfu, "moe_layer": moe_layer, "suite_table": suite_table}[script].main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
