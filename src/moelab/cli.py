@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from moelab import accounting, presets
@@ -35,7 +36,7 @@ app.add_typer(ladder_app, name="ladder")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    err_console.print(f"[yellow]Warning:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[yellow]Warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:
@@ -43,6 +44,7 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _show_warning
+    _flags_take_no_value()
     try:
         code = app(standalone_mode=False)  # returns a typer.Exit's code instead of raising it
         if code == 130:  # newer typer turns Ctrl-C (outside the training loop's own handler) into this code
@@ -50,20 +52,50 @@ def main() -> None:
         if code:
             sys.exit(code)
     except Preempted as e:
-        err_console.print(f"[bold yellow]Preempted:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold yellow]Preempted:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_PREEMPTED)
     except (ConfigError, DataError) as e:
         if os.environ.get("MOELAB_DEBUG"):
             raise
-        err_console.print(f"[bold red]Error:[/] {e}", highlight=False, soft_wrap=True)
+        # escape: messages name fields like data.domains[code] and values like [6.0, 2.0], which Rich
+        # would otherwise read as markup tags and drop.
+        err_console.print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         _aborted()
     except Exception as e:
         if _is_usage_error(e):
+            _name_the_bad_value(e)
             e.show()
             sys.exit(e.exit_code)
         raise
+
+
+def _name_the_bad_value(e: Exception) -> None:
+    """Add the rejected value to a parameter error: typer's pydantic coercion says what it wanted
+    ("Input should be a valid integer") but not what it got (`--steps ten`)."""
+    errors = getattr(e.__cause__, "errors", None)
+    if callable(errors) and hasattr(e, "message"):
+        given = [err["input"] for err in errors() if "input" in err]
+        if given and repr(given[0]) not in e.message:
+            e.message = f"{e.message} (got {given[0]!r})."
+
+
+def _flags_take_no_value() -> None:
+    """Show boolean flags (`--json`, `--help`) without a value placeholder in help texts.
+
+    typer 0.29 labels them `<bool>`, which reads as if they took a value: `--json true` then
+    passes `true` on as the next argument.
+    """
+    option = getattr(getattr(typer, "core", None), "TyperOption", None)
+    if option is None or getattr(option, "_moelab_flags", False):
+        return
+    display = option.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else display(self, ctx)
+
+    option.display_type_rich, option._moelab_flags = display_type_rich, True
 
 
 def _aborted() -> None:
