@@ -1,6 +1,7 @@
-"""The ledger: a hash chain that names the first edited row, safe under concurrent writers, and strict
-about what it opens."""
+"""The ledger: a hash chain that names the first edited row, refuses to grow on a broken chain, proves a
+published head is still in it, is safe under concurrent writers, and is strict about what it opens."""
 
+import json
 import multiprocessing
 import sqlite3
 
@@ -9,8 +10,8 @@ import pytest
 from helpers import run_cli
 
 from moelab.config import ConfigError
-from moelab.lab.ledger import (GENESIS_HASH, DuplicateRecord, append, canonical_json, open_ledger, record_hash,
-                               records, verify)
+from moelab.lab.ledger import (GENESIS_HASH, ChainBroken, DuplicateRecord, append, canonical_json, open_ledger,
+                               record_hash, records, verify)
 
 NUM_RECORDS = 5
 
@@ -94,6 +95,71 @@ def test_a_deleted_row_is_named_as_missing(tmp_path):
     execute_sql(path, "DELETE FROM records WHERE seq = 2")
     check = verify(ledger)
     assert check.broken_seq == 2 and "record 2 is missing" in check.problem
+
+
+@pytest.mark.parametrize("edit", ["body value", "prev_hash", "hash"])
+def test_append_refuses_a_broken_chain_naming_the_first_bad_row_and_adds_nothing(edit, tmp_path):
+    """Appending after an edit would bury it under new rows whose hashes all check out from there on."""
+    path = tmp_path / "ledger.sqlite"
+    filled_ledger(path)
+    execute_sql(path, EDITS[edit], (3,))
+    before = records(open_ledger(path))
+    with pytest.raises(ChainBroken, match=r"at record 3: record 3 \(.*moelab lab verify"):
+        append(open_ledger(path), "run", "exp-a", {"event": "started"})
+    assert records(open_ledger(path)) == before
+
+
+@pytest.mark.parametrize("damage", ["a newer row edited", "rows cut off below it"])
+def test_a_handle_that_has_appended_still_catches_damage_done_since(damage, tmp_path):
+    """A handle checks only the rows after the last one it checked, yet still sees the end rewritten."""
+    path = tmp_path / "ledger.sqlite"
+    mine = filled_ledger(path)  # has appended (and so checked) records 1..5
+    append(open_ledger(path), "metric", "exp-a", {"i": 5})  # another writer's record 6
+    if damage == "a newer row edited":
+        execute_sql(path, EDITS["body value"], (6,))
+        message = "record 6 .* does not match its hash"
+    else:
+        execute_sql(path, "DELETE FROM records WHERE seq >= 4")
+        message = "record 5 .* is no longer in the ledger: the chain now ends at record 3"
+    with pytest.raises(ChainBroken, match=message):
+        append(mine, "metric", "exp-a", {"i": 6})
+
+
+def test_verify_head_finds_a_published_head_after_more_rows_and_fails_once_the_ledger_is_cut_below_it(
+        tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ledger.sqlite"
+    ledger = filled_ledger(path)
+    published = verify(ledger).head_hash  # what a report or `lab show` printed at record NUM_RECORDS
+    for i in range(3):
+        append(ledger, "metric", "exp-a", {"i": 10 + i})
+
+    def verify_head(given, *extra):
+        return run_cli(["lab", "verify", "--ledger", str(path), "--head", given, *extra], monkeypatch, capsys)
+
+    for given in (published, published[:12].upper()):
+        code, out, err = verify_head(given)
+        assert code == 0, err
+        assert f"is record {NUM_RECORDS}: 3 records came after it" in out
+    code, out, _ = verify_head(published, "--json")
+    assert code == 0 and json.loads(out)["published_head"] == {"hash": published, "found": True,
+                                                                "seq": NUM_RECORDS, "records_after": 3}
+
+    execute_sql(path, "DELETE FROM records WHERE seq >= ?", (NUM_RECORDS,))
+    assert verify(ledger).ok, "a truncated chain is still a valid chain: only the published head shows the cut"
+    code, out, err = verify_head(published)
+    assert code == 1 and out == ""
+    assert f"no record of {path} has hash {published}" in err and "cut off the end" in err
+    code, out, _ = verify_head(published, "--json")
+    result = json.loads(out)
+    assert code == 1 and not result["ok"] and result["published_head"]["found"] is False
+
+
+@pytest.mark.parametrize("given", ["3f2a9c0e", "not-a-hash-at-all", "g" * 64])
+def test_verify_head_that_is_not_a_long_enough_hex_hash_exits_2(given, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "ledger.sqlite"
+    filled_ledger(path)
+    code, out, err = run_cli(["lab", "verify", "--ledger", str(path), "--head", given], monkeypatch, capsys)
+    assert code == 2 and out == "" and "is not a record hash" in err and "12 or more hex digits" in err
 
 
 def test_non_finite_numbers_and_tuples_are_stored_as_plain_json_and_still_verify(tmp_path):

@@ -1,5 +1,5 @@
-"""Pre-registration as a user meets it: register, show, amend; an edited spec cannot run unamended; bad
-input exits 2 with one message naming the field."""
+"""Pre-registration as a user meets it: register, show, amend; an edited spec cannot run unamended; a
+ledger edited by hand takes no new rows; bad input exits 2 with one message naming the field."""
 
 import json
 import sqlite3
@@ -11,7 +11,8 @@ import yaml
 
 from helpers import run_cli
 
-from moelab.lab.ledger import open_ledger, records, verify
+from moelab.lab.executor import run_experiment
+from moelab.lab.ledger import ChainBroken, open_ledger, records, verify
 from moelab.lab.registry import parse_spec, read_spec_file, resolve_run_config, spec_hash
 
 REPO = Path(__file__).resolve().parents[1]
@@ -249,3 +250,66 @@ def test_a_ledger_edited_by_hand_is_reported_by_verify_after_a_registration(lab)
     conn.close()
     code, _, err = run("verify")
     assert code == 1 and "record 1 (experiment 'exp-a')" in err
+
+
+def edit_row(ledger, seq):
+    """Change one row's body the way someone with the sqlite3 shell would, leaving its hash as it was."""
+    conn = sqlite3.connect(ledger)
+    with conn:
+        changed = conn.execute("UPDATE records SET body = replace(body, 'tester', 'someone else') WHERE seq = ?",
+                               (seq,)).rowcount
+    conn.close()
+    assert changed == 1
+
+
+@pytest.mark.parametrize("command", ["run", "run --dry-run", "amend", "register"])
+def test_a_command_that_writes_refuses_an_edited_ledger_naming_the_bad_row_and_writes_and_runs_nothing(
+        command, lab, tmp_path):
+    ledger, spec, run = lab
+    assert run("register", str(spec))[0] == 0
+    retitled = write_spec(tmp_path / "retitled.yaml", spec_data(title="A short run, retitled"))
+    assert run("amend", "exp-a", str(retitled), "--reason", "a clearer title")[0] == 0
+    edit_row(ledger, 2)
+    before = records(open_ledger(ledger))
+    args = {"run": ["run", "exp-a"], "run --dry-run": ["run", "exp-a", "--dry-run"],
+            "amend": ["amend", "exp-a", str(write_spec(tmp_path / "again.yaml", spec_data(title="Third"))),
+                      "--reason", "another title"],
+            "register": ["register", str(write_spec(tmp_path / "b.yaml", spec_data(id="exp-b")))]}[command]
+
+    code, out, err = run(*args)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "at record 2: record 2 (amendment 'exp-a') does not match its hash" in err
+    assert "Restore the ledger from a copy" in err and "moelab lab verify" in err
+    assert records(open_ledger(ledger)) == before
+    assert not (tmp_path / "runs").exists(), "no step may start on a broken chain"
+
+
+def test_run_experiment_refuses_an_edited_ledger_before_any_step_starts(lab, tmp_path):
+    """`moelab demo` and library callers go through run_experiment, not the `lab run` command."""
+    ledger, spec, run = lab
+    assert run("register", str(spec))[0] == 0
+    edit_row(ledger, 1)
+    with pytest.raises(ChainBroken, match="record 1"):
+        run_experiment(open_ledger(ledger), "exp-a", tmp_path / "runs")
+    assert len(records(open_ledger(ledger))) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_show_prints_the_ledger_head_hash_and_record_count_in_every_format(lab, tmp_path):
+    ledger, spec, run = lab
+    assert run("register", str(spec))[0] == 0
+    retitled = write_spec(tmp_path / "retitled.yaml", spec_data(title="A short run, retitled"))
+    assert run("amend", "exp-a", str(retitled), "--reason", "a clearer title")[0] == 0
+    head = verify(open_ledger(ledger)).head_hash
+
+    for fmt in ([], ["--markdown"]):
+        code, out, err = run("show", "exp-a", *fmt)
+        assert code == 0, err
+        assert f"holds 2 records (chain intact); head sha256 `{head}`" in out, fmt
+        assert f"moelab lab verify --head {head[:16]}" in out
+    code, out, _ = run("show", "exp-a", "--json")
+    shown = json.loads(out)["ledger"]
+    assert code == 0 and shown["head_hash"] == head and shown["num_records"] == 2 and shown["ok"]
+
+    edit_row(ledger, 2)  # a reader of `show` must not mistake a broken chain's head for a good one
+    code, out, _ = run("show", "exp-a", "--markdown")
+    assert code == 0 and "chain broken at record 2" in out and "holds" not in out

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from helpers import run_cli
 
-from moelab.lab.ledger import append, open_ledger, records
+from moelab.lab.ledger import append, open_ledger, records, verify
 from moelab.lab.registry import Prediction
 from moelab.lab.report import (
     CONFIRMED,
@@ -156,6 +156,24 @@ def test_report_sections_and_confirmed_verdict(lab, tmp_path, monkeypatch, capsy
     code, stdout, _ = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger)], monkeypatch, capsys)
     assert code == 0 and stdout.strip().startswith(str(root / "rep-tiny"))
     assert stdout.strip().endswith("report/report.html")
+
+
+def test_the_report_names_the_ledger_head_and_record_count_that_verify_head_checks_later(lab, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A reader who kept the report can tell when the ledger was cut short, which the chain alone cannot."""
+    ledger, _, _ = lab
+    chain = verify(open_ledger(ledger))
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    repro = section((tmp_path / "r" / "report.html").read_text(), "reproducibility")
+    md = (tmp_path / "r" / "report.md").read_text()
+    for text in (chain.head_hash, f"{chain.num_records} (chain intact)"):
+        assert text in repro and text in md, text
+    [command] = [line for line in md.splitlines() if line.startswith("moelab lab verify")]
+    assert command == f"moelab lab verify --ledger {ledger} --head {chain.head_hash}"
+    code, out, err = run_cli(command.split()[1:], monkeypatch, capsys)
+    assert code == 0 and f"is record {chain.num_records}: 0 records came after it" in out, err
 
 
 def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):

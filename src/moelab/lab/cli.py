@@ -6,12 +6,14 @@
     moelab lab run demo-tiny --dry-run                            # what would run, resume, wait or skip
     moelab lab run demo-tiny --backend ray                        # RAY_ADDRESS joins a cluster
     moelab lab verify                                             # recompute the hash chain
+    moelab lab verify --head 3f2a9c0e51b7                         # is a published head still in it?
     moelab lab report demo-tiny                                   # HTML + Markdown report of the run
 
-Every command takes --ledger PATH (default: $MOELAB_LEDGER, else lab/ledger.sqlite). Exit codes:
-0 success; 1 a step failed or the chain is broken; 2 bad input (an invalid or edited spec, an unknown
-id, a file that is not a ledger); 75 a training step was preempted (SIGTERM / SIGINT) after saving a
-checkpoint: rerun the same `moelab lab run` to resume it.
+Every command takes --ledger PATH (default: $MOELAB_LEDGER, else lab/ledger.sqlite). Commands that
+write (register, amend, run) refuse a ledger whose chain is broken. Exit codes: 0 success; 1 a step
+failed, the chain is broken or a published head is gone; 2 bad input (an invalid or edited spec, an
+unknown id, a file that is not a ledger, writing to a broken chain); 75 a training step was preempted
+(SIGTERM / SIGINT) after saving a checkpoint: rerun the same `moelab lab run` to resume it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from moelab._cli_utils import EXIT_PREEMPTED
 from moelab.config import ConfigError
 from moelab.lab import registry
 from moelab.lab.executor import BACKENDS, FAILED, PREEMPTED, SUCCESS, plan_experiment, run_experiment
-from moelab.lab.ledger import Record, open_ledger, verify as verify_chain
+from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open_ledger, verify as verify_chain
 from moelab.lab.report import write_report
 
 lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -61,6 +63,23 @@ def _experiment_json(experiment: registry.Experiment) -> dict:
             "registration": _record_json(experiment.registration),
             "amendments": [_record_json(r) for r in experiment.amendments],
             "runs": [_record_json(r) for r in experiment.runs]}
+
+
+def _chain_json(check: ChainCheck) -> dict:
+    return {**dataclasses.asdict(check), "ok": check.ok}
+
+
+def _records(n: int) -> str:
+    return f"{n} record" if n == 1 else f"{n} records"
+
+
+def _ledger_sentence(path: Path, check: ChainCheck) -> str:
+    """The record count and head hash `lab show` prints: what a reader keeps to detect a truncation later."""
+    if not check.ok:
+        return (f"{path}: {check.status}: {check.problem}; the {_records(check.num_records)} before it end in "
+                f"sha256 `{check.head_hash}`. Run `moelab lab verify --ledger {path}`.")
+    return (f"{path} holds {_records(check.num_records)} ({check.status}); head sha256 `{check.head_hash}`. "
+            f"`moelab lab verify --head {check.head_hash[:16]}` shows later that these records are still there.")
 
 
 def _plain(obj: Any) -> Any:
@@ -113,29 +132,62 @@ def amend(
 @lab_app.command()
 def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOpt = False,
          json_out: JsonOpt = False) -> None:
-    """Show an experiment as registered, with its amendments and runs."""
-    experiment = registry.load_experiment(open_ledger(ledger), exp_id)
+    """Show an experiment as registered, with its amendments and runs, and the ledger's head hash."""
+    book = open_ledger(ledger)
+    experiment = registry.load_experiment(book, exp_id)
+    check = verify_chain(book)
     if json_out:
-        print(json.dumps(_experiment_json(experiment)))
+        print(json.dumps({**_experiment_json(experiment), "ledger": {"path": str(ledger), **_chain_json(check)}}))
     elif markdown:
-        print(registry.to_markdown(experiment, with_runs=True), end="")
+        print(registry.to_markdown(experiment, with_runs=True) + f"\n### Ledger\n\n{_ledger_sentence(ledger, check)}")
     else:
         out_console.print(Markdown(registry.to_markdown(experiment, with_runs=True)))
+        # Plain and unwrapped: the hash must survive a narrow terminal and a copy-paste whole.
+        out_console.print(f"\n{_ledger_sentence(ledger, check)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @lab_app.command()
-def verify(ledger: LedgerOpt = DEFAULT_LEDGER, json_out: JsonOpt = False) -> None:
-    """Recompute the ledger's hash chain; name the first broken record (exit 1) if there is one."""
-    check = verify_chain(open_ledger(ledger))
+def verify(
+    ledger: LedgerOpt = DEFAULT_LEDGER,
+    head: Annotated[Optional[str], typer.Option("--head", show_default=False, help=(
+        "A head hash published earlier (by `lab verify`, `lab show` or a report), in full or its first 12+ hex "
+        "digits, e.g. --head 3f2a9c0e51b7: fail (exit 1) unless that record is still in the chain."))] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Recompute the ledger's hash chain; name the first broken record (exit 1) if there is one.
+
+    With --head, also prove that a published head is still in the chain: rows cut off the end (or
+    rewritten) leave a valid but shorter chain that only a head kept elsewhere can expose.
+    """
+    book = open_ledger(ledger)
+    check = verify_chain(book)
+    found = find_record(book, head, up_to=check.num_records) if head is not None else None
+    head_gone = head is not None and found is None
     if json_out:
-        print(json.dumps({"ledger": str(ledger), **dataclasses.asdict(check), "ok": check.ok}))
-    elif check.ok:
-        out_console.print(f"{ledger}: {check.num_records} records, chain intact. Head sha256 {check.head_hash}",
+        result = {"ledger": str(ledger), **_chain_json(check)}
+        if head is not None:
+            result["published_head"] = {"hash": head, "found": found is not None,
+                                        "seq": found.seq if found else None,
+                                        "records_after": check.num_records - found.seq if found else None}
+            result["ok"] = check.ok and not head_gone
+        print(json.dumps(result))
+    elif not check.ok:
+        err_console.print(f"[bold red]Broken:[/] {escape(str(ledger))}: {escape(check.problem)}. The "
+                          f"{check.num_records} records before it check out.", highlight=False, soft_wrap=True)
+    elif head_gone:
+        err_console.print(f"[bold red]Head not found:[/] no record of {escape(str(ledger))} has hash "
+                          f"{escape(head)}. The chain is intact but ends elsewhere ({check.num_records} records, head "
+                          f"sha256 {check.head_hash}): rows were cut off the end, or the ledger was rewritten, after "
+                          "that head was published. Restore the ledger from a copy that holds it.",
                           highlight=False, soft_wrap=True)
     else:
-        err_console.print(f"[bold red]Broken:[/] {ledger}: {check.problem}. The {check.num_records} records "
-                          "before it check out.", highlight=False, soft_wrap=True)
-    if not check.ok:
+        out_console.print(f"{escape(str(ledger))}: {check.num_records} records, chain intact. Head sha256 "
+                          f"{check.head_hash}", highlight=False, soft_wrap=True)
+        if found is not None:
+            out_console.print(f"The published head {found.hash[:16]}... is record {found.seq}: "
+                              f"{_records(check.num_records - found.seq)} came after it.", highlight=False,
+                              soft_wrap=True)
+    if not check.ok or head_gone:
         raise typer.Exit(1)
 
 
@@ -156,6 +208,7 @@ def run(
     if backend not in BACKENDS:
         raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
     book = open_ledger(ledger)
+    check_chain(book)  # a dry run too: on a broken chain nothing would run
     planned = plan_experiment(book, exp_id, root, spec)
     if dry_run:
         if json_out:

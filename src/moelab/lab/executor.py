@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from moelab.config import ConfigError, Preempted, RunConfig, from_dict, load_yaml, to_dict
-from moelab.lab.ledger import Ledger, append, canonical_json
+from moelab.lab.ledger import Ledger, append, canonical_json, check_chain
 from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
 
 __all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
@@ -588,8 +588,10 @@ def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str
     """Execute a registered experiment's DAG under ROOT/<id>, each step's events on the ledger.
 
     Refused (ConfigError) when the spec file (`spec_path`, by default the one it was registered or
-    last amended from) differs from the version in force: amend it first.
+    last amended from) differs from the version in force: amend it first. Refused (ChainBroken) when
+    the ledger's chain does not check out, before any step starts: its events would go on a broken chain.
     """
+    check_chain(ledger)
     experiment, steps = _experiment_dag(ledger, exp_id, spec_path)
     # Unversioned: where a training step publishes its metrics changes no output directory.
     tracked = {"ledger": str(Path(ledger.path).absolute()), "experiment": exp_id}

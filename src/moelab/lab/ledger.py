@@ -11,8 +11,15 @@ samples) is one row of the `records` table, numbered 1, 2, 3, ... Its hash is
     hash_n = sha256(hash_{n-1} + canonical_json({seq, kind, key, created_at, body}))
 
 with hash_0 = 64 zeros, so editing, inserting or deleting any row breaks the chain at that row and
-`verify` names it. The chain cannot see rows cut off the end: publish the head hash (`moelab lab
-verify` prints it) where others can see it, e.g. in the experiment's issue, to pin the history.
+`verify` names it. Nothing is written onto a broken chain: `append` checks the chain first (in full
+the first time a handle from `open_ledger` appends, then only the rows added since) and refuses with
+`ChainBroken`, so new rows cannot bury an edit under fresh, valid hashes.
+
+The chain alone cannot see rows cut off its end: a shorter chain is still a valid one. So the head
+hash (the last record's hash) and the record count travel outside the ledger: `moelab lab verify`,
+`moelab lab show` and every report print them. Whoever kept one can later prove that those records
+are still there with `moelab lab verify --head HASH` (`find_record`), which fails once the ledger was
+truncated below that head or rewritten.
 
 Writers are safe to run concurrently (several steps of one experiment, on one host or on a shared
 filesystem that honours POSIX locks): the database is in WAL mode and each append reads the head and
@@ -27,15 +34,17 @@ import hashlib
 import json
 import math
 import numbers
+import re
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from moelab.config import ConfigError
 
-__all__ = ["KINDS", "GENESIS_HASH", "Ledger", "Record", "ChainCheck", "DuplicateRecord", "canonical_json",
-           "record_hash", "open_ledger", "append", "records", "verify"]
+__all__ = ["KINDS", "GENESIS_HASH", "MIN_HASH_PREFIX", "Ledger", "Record", "ChainCheck", "DuplicateRecord",
+           "ChainBroken", "canonical_json", "record_hash", "open_ledger", "append", "records", "verify", "check_chain",
+           "find_record"]
 
 FORMAT = "moelab-ledger"
 FORMAT_VERSION = 1
@@ -51,6 +60,7 @@ KINDS = {
     "sample": "samples",
 }
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+MIN_HASH_PREFIX = 12  # hex digits of a published head that `find_record` accepts: 48 bits, no accidental match
 _BUSY_TIMEOUT_MS = 60_000  # writers queue behind BEGIN IMMEDIATE; a training step's append is milliseconds
 
 _SCHEMA = [
@@ -77,11 +87,18 @@ class DuplicateRecord(ConfigError):
     """A second registration of an experiment id (the unique index refused it)."""
 
 
-@dataclass(frozen=True)
+class ChainBroken(ConfigError):
+    """An append refused because the chain does not check out: new rows would hide the edit."""
+
+
+@dataclass(eq=False)
 class Ledger:
     """A handle on a ledger file that `open_ledger` has checked; functions below take it."""
 
     path: Path
+    # (seq, hash) of the newest record this handle has checked the chain up to; None: not checked yet.
+    # Appends through the handle then check only the rows after it, so a run's many appends stay linear.
+    checked: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,11 @@ class ChainCheck:
     @property
     def ok(self) -> bool:
         return self.broken_seq is None
+
+    @property
+    def status(self) -> str:
+        """"chain intact", or where it breaks: the words `lab show` and reports put beside the head hash."""
+        return "chain intact" if self.ok else f"chain broken at record {self.broken_seq}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,8 +270,10 @@ def append(ledger: Ledger, kind: str, key: str, body: dict) -> Record:
     try:
         conn.execute("BEGIN IMMEDIATE")  # takes the write lock before reading the head: no forks
         try:
-            row = conn.execute("SELECT seq, hash FROM records ORDER BY seq DESC LIMIT 1").fetchone()
-            seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS_HASH)
+            check = _check_since(conn, ledger.checked)
+            if not check.ok:
+                raise _chain_broken(ledger, check)
+            seq, prev = check.num_records + 1, check.head_hash
             created_at = _now()
             digest = record_hash(prev, seq, kind, key, created_at, body)
             conn.execute("INSERT INTO records VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -263,16 +287,24 @@ def append(ledger: Ledger, kind: str, key: str, body: dict) -> Record:
             raise
     finally:
         conn.close()
+    ledger.checked = (seq, digest)
     return Record(seq, kind, key, created_at, body, prev, digest)
+
+
+_SELECT = "SELECT seq, kind, key, created_at, body, prev_hash, hash FROM records"
 
 
 def _rows(ledger: Ledger, where: str = "", params: tuple = ()) -> Iterator[tuple]:
     conn = _connect(ledger.path)
     try:
-        yield from conn.execute(
-            f"SELECT seq, kind, key, created_at, body, prev_hash, hash FROM records {where} ORDER BY seq", params)
+        yield from conn.execute(f"{_SELECT} {where} ORDER BY seq", params)
     finally:
         conn.close()
+
+
+def _record(row: tuple) -> Record:
+    seq, kind, key, created_at, body, prev, digest = row
+    return Record(seq, kind, key, created_at, json.loads(body), prev, digest)
 
 
 def records(ledger: Ledger, kind: str | None = None, key: str | None = None) -> list[Record]:
@@ -285,14 +317,13 @@ def records(ledger: Ledger, kind: str | None = None, key: str | None = None) -> 
         clauses.append("key = ?")
         params.append(key)
     where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-    return [Record(seq, kind_, key_, created_at, json.loads(body), prev, digest)
-            for seq, kind_, key_, created_at, body, prev, digest in _rows(ledger, where, tuple(params))]
+    return [_record(row) for row in _rows(ledger, where, tuple(params))]
 
 
-def verify(ledger: Ledger) -> ChainCheck:
-    """Recompute the chain from the first record and stop at the first one that does not check out."""
-    expected_seq, prev = 1, GENESIS_HASH
-    for seq, kind, key, created_at, body_text, prev_hash, digest in _rows(ledger):
+def _walk(rows: Iterator[tuple], after: int = 0, prev: str = GENESIS_HASH) -> ChainCheck:
+    """Check `rows` (in seq order) as the chain's continuation after record `after`, whose hash is `prev`."""
+    expected_seq = after + 1
+    for seq, kind, key, created_at, body_text, prev_hash, digest in rows:
         def broken(at: int, problem: str) -> ChainCheck:
             return ChainCheck(expected_seq - 1, prev, at, problem)
 
@@ -315,3 +346,79 @@ def verify(ledger: Ledger) -> ChainCheck:
                                "after it was written")
         expected_seq, prev = seq + 1, digest
     return ChainCheck(expected_seq - 1, prev)
+
+
+def verify(ledger: Ledger) -> ChainCheck:
+    """Recompute the chain from the first record and stop at the first one that does not check out."""
+    return _walk(_rows(ledger))
+
+
+def _check_since(conn: sqlite3.Connection, checked: tuple[int, str] | None) -> ChainCheck:
+    """The chain checked from `checked` (seq, hash) on, or in full when None; call inside a transaction.
+
+    A record checked before that is now gone or different means the end was cut off or rewritten
+    under this handle: the whole chain is checked again to name the first bad row, or, if what is
+    left is a valid (shorter) chain, that record is named as cut off.
+    """
+    seq, prev = checked or (0, GENESIS_HASH)
+    if seq:
+        row = conn.execute("SELECT hash FROM records WHERE seq = ?", (seq,)).fetchone()
+        if row is None or row[0] != prev:
+            check = _walk(conn.execute(f"{_SELECT} ORDER BY seq"))
+            if check.ok:
+                check = replace(check, broken_seq=seq, problem=(
+                    f"record {seq} (sha256 {prev[:12]}...), which this process checked before, is no longer "
+                    f"in the ledger: the chain now ends at record {check.num_records}, so rows were cut off the end "
+                    "or rewritten"))
+            return check
+    return _walk(conn.execute(f"{_SELECT} WHERE seq > ? ORDER BY seq", (seq,)), seq, prev)
+
+
+def _chain_broken(ledger: Ledger, check: ChainCheck) -> ChainBroken:
+    return ChainBroken(
+        f"the ledger {ledger.path} fails its hash check at record {check.broken_seq}: {check.problem}. Nothing was "
+        "written to it: new rows on a broken chain would hide the damage. Restore the ledger from a copy you "
+        f"trust, then retry; `moelab lab verify --ledger {ledger.path}` shows the details."
+    )
+
+
+def check_chain(ledger: Ledger) -> ChainCheck:
+    """Refuse (ChainBroken) a ledger whose chain does not check out, before a batch of appends.
+
+    `append` checks too; calling this first refuses before any work (a training step) starts. The
+    handle remembers the head it checked, so the appends after it check only what is new.
+    """
+    conn = _connect(ledger.path)
+    try:
+        conn.execute("BEGIN")  # one snapshot for the checked record and the rows after it
+        try:
+            check = _check_since(conn, ledger.checked)
+        finally:
+            conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+    if not check.ok:
+        raise _chain_broken(ledger, check)
+    ledger.checked = (check.num_records, check.head_hash) if check.num_records else None
+    return check
+
+
+def find_record(ledger: Ledger, hash_prefix: str, up_to: int | None = None) -> Record | None:
+    """The record whose hash is `hash_prefix` (full hex or at least MIN_HASH_PREFIX digits); None if none is.
+
+    `up_to` limits the search to records 1..up_to (those a `verify` found intact). ConfigError for a
+    prefix that is too short, not hex, or matches several records.
+    """
+    prefix = hash_prefix.strip().lower()
+    if not re.fullmatch(f"[0-9a-f]{{{MIN_HASH_PREFIX},64}}", prefix):
+        raise ConfigError(f"--head {hash_prefix!r} is not a record hash: give the head's sha256 as printed by "
+                          f"`moelab lab verify`, `lab show` or a report, in full or its first {MIN_HASH_PREFIX} or "
+                          "more hex digits.")
+    where, params = "WHERE substr(hash, 1, ?) = ?", (len(prefix), prefix)
+    if up_to is not None:
+        where, params = where + " AND seq <= ?", params + (up_to,)
+    found = [_record(row) for row in _rows(ledger, where, params)]
+    if len(found) > 1:
+        raise ConfigError(f"--head {hash_prefix!r} matches records {found[0].seq} and {found[1].seq}; give more of "
+                          "the hash (the full 64 hex digits never match twice).")
+    return found[0] if found else None

@@ -9,6 +9,8 @@ when present, prediction.csv, mixture_log.jsonl, router_load.jsonl, samples.json
 is an element with a stable id (`SECTION_IDS`); a section whose source file is absent stays, with a
 note saying what is missing, so the page's shape never depends on the run. Plots are matplotlib
 (Agg) PNGs, inline as base64 in the HTML and written beside the Markdown. The page has no script.
+The reproducibility section names the ledger's record count and head hash at writing time, so a
+reader who keeps the report can later prove the ledger was not cut short (`moelab lab verify --head`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moelab.config import ConfigError
-from moelab.lab.ledger import Ledger
+from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import Experiment, Prediction, load_experiment
 
 __all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "find_run_dir", "router_load_heatmap",
@@ -382,6 +384,7 @@ def _sha256_file(path: Path) -> str | None:
 
 def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: Ledger) -> Section:
     sec = Section("reproducibility", "Reproducibility")
+    chain = verify(ledger)  # the head a reader keeps: the chain cannot show rows cut off its end by itself
     commit = run_body.get("git_commit") or "none (not in a git repository)"
     if run_body.get("git_dirty"):
         commit += " (with uncommitted changes)"
@@ -396,10 +399,14 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
         ["output directory", str(out)],
         ["preempted, then resumed from the checkpoint at", ", ".join(stops) or "never (one uninterrupted run)"],
         ["ledger", str(ledger.path)],
+        ["ledger records when this report was written", f"{chain.num_records} ({chain.status})"],
+        ["ledger head sha256", chain.head_hash],
     ])
     sec.pre(f"moelab lab run {experiment.id} --ledger {ledger.path}\n"
             f"# the training step it runs, with the resolved config:\n"
-            f"moelab train {out / 'config.yaml'} --out {out}")
+            f"moelab train {out / 'config.yaml'} --out {out}\n"
+            f"# the ledger still holds every record this report read (fails if rows were cut off or rewritten):\n"
+            f"moelab lab verify --ledger {ledger.path} --head {chain.head_hash}")
     return sec
 
 
