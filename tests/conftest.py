@@ -14,3 +14,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # scipy's L-BFGS-B (the ladder fits) calls OpenBLAS for tiny products; its thread pool only adds
 # contention on a 2-core CI machine (measured: ~3 ms vs ~0.1 ms per call under load).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# A persistent compilation cache for this session, shared with the subprocesses tests start: the tiny
+# models compile the same train step again and again (every `train` call builds its own jit), and a
+# cache hit turns seconds of XLA compile into a file read. A fresh folder per session: nothing carries
+# over between sessions or machines. It changes no result: a hit is the same compiled program.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="moelab-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")

@@ -67,3 +67,58 @@ def relative_error(a, b) -> float:
     if scale == 0.0:
         return float(np.max(np.abs(a)))
     return float(np.max(np.abs(a - b)) / scale)
+
+
+# A short checkpointed CLI run, and what "ends the same" means for two runs of it: the fault tests
+# (test_faults.py) and the checkpoint tests compare an interrupted run with an uninterrupted one.
+TIMING_KEYS = {"tokens_per_s"}  # wall-clock figures differ between runs; everything else must not
+
+
+def train_args(out, steps: int = 24) -> list[str]:
+    """`moelab train` arguments for the tiny preset with a checkpoint every 4 steps into `out`."""
+    return ["train", "--preset", "tiny", "--steps", str(steps), "--out", str(out), "--checkpoint-every", "4",
+            "--set", "train.log_every=2", "--set", "train.eval_every=12", "--set", "train.eval_batches=1"]
+
+
+def train_command(out, steps: int = 24) -> list[str]:
+    """The same run as a subprocess command line (for runs a test kills)."""
+    return [sys.executable, "-m", "moelab.cli", *train_args(out, steps)]
+
+
+def final_state(out, steps: int):
+    """The state of the newest checkpoint under `out`, which must be step `steps`."""
+    from moelab import presets
+    from moelab.config import CheckpointConfig
+    from moelab.train.checkpoint import Checkpointer
+    from moelab.train.state import init_state
+
+    restored = Checkpointer(out / "checkpoints", CheckpointConfig()).restore_newest(init_state(presets.get("tiny")))
+    assert restored is not None and restored.step == steps
+    return restored.state
+
+
+def metric_records(out) -> list[dict]:
+    import json
+
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
+            for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(reference, other, steps: int) -> None:
+    """Bitwise the same final params, optimizer state and router state, and the same metric records."""
+    import jax
+
+    for x, y in zip(jax.tree.leaves(final_state(reference, steps)), jax.tree.leaves(final_state(other, steps))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise: same values, same dtype
+    assert metric_records(reference) == metric_records(other)
+
+
+def wait_for(path, proc, timeout: float = 240) -> None:
+    """Wait until `path` exists while `proc` runs; fails if it ends first or time runs out."""
+    import time
+
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "process ended early"
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)

@@ -41,3 +41,84 @@ def test_warmup_longer_than_the_run_is_clamped_to_the_run():
     t = override(presets.get("tiny"), {"train.steps": 5, "train.warmup_steps": 30}).train
     lrs = [float(learning_rate(t)(s)) for s in range(6)]
     assert lrs[:5] == sorted(lrs[:5]) and np.isclose(lrs[5], t.lr)  # peak reached at the run's end, not step 30
+
+
+def test_a_finished_run_is_recognised_before_anything_compiles(tmp_path, monkeypatch):
+    """Rerunning a finished run used to build, compile and restore the model (13-17 s) to learn that
+    there was nothing to do; now its summary and sealed last checkpoint answer before any of that."""
+    from moelab.train import loop
+
+    cfg = override(presets.get("tiny"), {"train.steps": 2, "train.eval_batches": 1})
+    first = train(cfg, tmp_path)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("a finished run must not build or compile anything")
+
+    monkeypatch.setattr(loop, "init_sharded_state", no_compiling)
+    monkeypatch.setattr(loop, "make_train_step", no_compiling)
+    with pytest.warns(UserWarning, match="already finished its 2 steps"):
+        assert train(cfg, tmp_path) == first
+
+
+def test_summary_throughput_is_the_steady_state_after_the_first_step(tmp_path, monkeypatch):
+    """A clock that only moves inside train steps: the first (compiling) step takes 1000 s, every other
+    one 1 s. The summary must say one step's tokens per second, not a figure diluted by the compile
+    (the old summary used the last log window, which held the compile in a short run)."""
+    from types import SimpleNamespace
+
+    from moelab.train import loop
+
+    clock = {"now": 0.0, "calls": 0}
+    real_make_train_step = loop.make_train_step
+
+    def timed_make_train_step(cfg, mesh=None):
+        step = real_make_train_step(cfg, mesh)
+
+        def timed(*args):
+            clock["now"] += 1000.0 if clock["calls"] == 0 else 1.0
+            clock["calls"] += 1
+            return step(*args)
+        return timed
+
+    monkeypatch.setattr(loop, "make_train_step", timed_make_train_step)
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    cfg = override(presets.get("tiny"), {"train.steps": 4, "train.eval_batches": 1, "train.log_every": 4})
+    summary = train(cfg, tmp_path)
+    assert clock["calls"] == 4
+    assert summary["tokens_per_s"] == pytest.approx(cfg.train.batch_size * cfg.model.seq_len)
+
+
+def test_hooks_hear_each_slow_stage_before_the_first_step_and_the_resume(tmp_path):
+    """What the progress bar shows while XLA compiles (it used to say "loading data" throughout), and
+    the "resuming from step N" line."""
+    from moelab.train.loop import Hooks
+
+    heard = []
+    hooks = Hooks(on_stage=lambda name: heard.append(("stage", name)),
+                  on_resume=lambda step, path: heard.append(("resume", step, path.name)),
+                  on_step=lambda done: heard.append(("step", done)))
+    cfg = override(presets.get("tiny"), {"train.steps": 2, "train.eval_batches": 1})
+    train(cfg, tmp_path, hooks)
+    stages = [e[1] for e in heard if e[0] == "stage"]
+    assert stages == ["building the model", "compiling the eval step", "compiling the sampler",
+                      "compiling the train step"]
+    assert heard.index(("stage", "compiling the train step")) < heard.index(("step", 1))
+
+    heard.clear()
+    train(override(cfg, {"train.steps": 3}), tmp_path, hooks)
+    assert ("resume", 2, "2") in heard
+    assert [e[1] for e in heard if e[0] == "stage"] == ["building the model", "compiling the train step"]
+
+
+def test_the_progress_status_shows_how_long_the_current_stage_has_run():
+    import time
+
+    from rich.progress import Progress
+
+    from moelab.cli import _StatusColumn
+
+    progress = Progress()
+    task = progress.add_task("tiny", status="compiling the train step", since=time.monotonic() - 12.2)
+    assert _StatusColumn().render(progress.tasks[task]).plain == "compiling the train step 12 s"
+    progress.update(task, status="loss 4.500  9,000 tok/s", since=None)
+    assert _StatusColumn().render(progress.tasks[task]).plain == "loss 4.500  9,000 tok/s"

@@ -16,18 +16,22 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
+from rich.progress import ProgressColumn
 from rich.table import Table
+from rich.text import Text
 
 from moelab import accounting, presets
 from moelab._cli_utils import (EXIT_PREEMPTED, ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console,
                                resolve_config)
 from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yaml
 from moelab.lab.cli import lab_app
+from moelab.train.checkpoint import SaveFailed
 from moelab.ladder.cli import ladder_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
@@ -51,6 +55,9 @@ def main() -> None:
             _aborted()
         if code:
             sys.exit(code)
+    except SaveFailed as e:  # the run failed (exit 1), not its input; no traceback: the message says it all
+        err_console.print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except Preempted as e:
         err_console.print(f"[bold yellow]Preempted:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(EXIT_PREEMPTED)
@@ -221,27 +228,63 @@ def run_training(cfg: RunConfig, out: Path, predicted: Path | None = None) -> di
         return train(cfg, out, hooks, predicted)
 
 
+class _StatusColumn(ProgressColumn):
+    """The bar's status: the last loss and throughput, or the slow stage under way with its elapsed time."""
+
+    def render(self, task) -> Text:
+        since = task.fields.get("since")
+        elapsed = f" {time.monotonic() - since:.0f} s" if since is not None else ""
+        return Text(f"{task.fields['status']}{elapsed}")
+
+
 @contextlib.contextmanager
 def training_progress(cfg: RunConfig):
     """A progress bar for one training run (steps, loss, tokens/s) on stderr; yields the loop's Hooks.
 
-    `moelab train`, `ladder run` and the local `lab run` / `demo` steps show it; process 0 only.
+    The bar appears with the first slow stage (a finished run that has nothing to do draws none),
+    shows each stage before the first step ("compiling the train step 12 s"), and a resumed run
+    says so on a line of its own. `moelab train`, `ladder run` and the local `lab run` / `demo`
+    steps show it; process 0 only.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moelab.parallel import mesh as mesh_lib
     from moelab.train.loop import Hooks
 
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"), console=err_console, transient=False, disable=not mesh_lib.is_writer(),
-    ) as progress:
-        task = progress.add_task(cfg.name, total=cfg.train.steps, status="loading data")
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeRemainingColumn(), _StatusColumn(), console=err_console, transient=False,
+                        disable=not mesh_lib.is_writer())
+    task = None
 
-        def on_log(record: dict) -> None:
-            progress.update(task, status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s")
+    def bar():
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task(escape(cfg.name), total=cfg.train.steps, status="", since=None)
+        return task
 
-        yield Hooks(on_step=lambda done: progress.update(task, completed=done), on_log=on_log)
+    def on_stage(name: str) -> None:
+        progress.update(bar(), status=name, since=time.monotonic())
+
+    def on_resume(step: int, path: Path) -> None:
+        progress.console.print(f"Resuming from step {step} ({escape(str(path))}).", highlight=False, soft_wrap=True)
+        progress.update(bar(), completed=step)
+
+    def on_log(record: dict) -> None:
+        progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s", since=None)
+
+    def on_step(done: int) -> None:
+        if progress.tasks and progress.tasks[0].fields.get("since") is not None:  # the first step ends a stage
+            progress.update(bar(), completed=done, status="training", since=None)
+        else:
+            progress.update(bar(), completed=done)
+
+    try:
+        yield Hooks(on_step=on_step, on_log=on_log,
+                    on_stage=on_stage, on_resume=on_resume)
+    finally:
+        if task is not None:
+            progress.stop()
 
 
 @app.command()

@@ -7,8 +7,11 @@
 Orbax writes each step into a temporary directory and renames it when complete, so a crash never
 leaves a half-written step that looks finished. On top of that we write `moelab_manifest.json`
 (SHA-256 of every file) *after* Orbax finishes: a step without a matching manifest (killed between
-the two, truncated or edited on disk later) is skipped with a `CheckpointWarning` naming it, and the
-previous one is used. Retention keeps the newest `keep_last` steps plus every `keep_every`-th.
+the two, truncated or edited on disk later) is moved aside to `checkpoints/<step>.corrupt-<UTC time>`
+(kept for inspection, invisible to Orbax) with a `CheckpointWarning` naming both paths, and the previous
+one is used; the resumed run then saves that step afresh. A save that fails (a full disk, a file-size
+limit) raises `SaveFailed` naming the step and the previous checkpoint, which it leaves untouched.
+Retention keeps the newest `keep_last` steps plus every `keep_every`-th.
 
 The TrainState holds everything a resume needs: params, optimizer state, router bias and step, which
 is also the data cursor (the sampler is keyed on (seed, step)); the seed travels in `meta`.
@@ -22,19 +25,25 @@ any process is skipped by all of them, so every process resumes from the same st
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import sys
+import tempfile
 import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 
-from moelab.config import CheckpointConfig
+from moelab.config import CheckpointConfig, ConfigError
 from moelab.parallel import mesh as mesh_lib
 
-__all__ = ["CheckpointWarning", "Restored", "Checkpointer"]
+__all__ = ["CheckpointWarning", "SaveFailed", "Restored", "Checkpointer"]
 
 MANIFEST = "moelab_manifest.json"
 
@@ -43,10 +52,50 @@ class CheckpointWarning(UserWarning):
     """A checkpoint on disk was skipped because it is incomplete or corrupted."""
 
 
+class SaveFailed(RuntimeError):
+    """Writing a checkpoint (or a run file) failed: a full disk, a file-size limit, a lost mount.
+
+    The message names what failed and the last good checkpoint, which a rerun resumes from.
+    """
+
+
 class Restored(NamedTuple):
     step: int
     state: Any
     meta: dict
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Hold back what a save prints, and drop it if the save fails: `SaveFailed` then says it once.
+
+    A failed write makes Orbax log the error with a traceback from each of its threads (absl), and
+    TensorStore's C++ threads print a traceback per pending write straight to file descriptor 2
+    (about 150 lines for one full disk). A save that succeeds gets its output replayed, so nothing
+    is lost.
+    """
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        else:
+            failed = False
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            logger.setLevel(level)
+            if not failed:
+                held.seek(0)
+                os.write(2, held.read())
 
 
 def _digest(step_dir: Path) -> dict[str, str]:
@@ -68,19 +117,29 @@ class Checkpointer:
             # Synchronous saves: a SIGKILL right after save() returns must still find the step complete.
             enable_async_checkpointing=False,
             create=True,
+            cleanup_tmp_directories=True,  # a save killed midway leaves `<step>.orbax-checkpoint-tmp-*`
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, meta: dict) -> Path:
         """Save `state` at `step` and seal it with a manifest; returns the step directory."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._manager.save(step, args=args, force=True)
-        self._manager.wait_until_finished()
         step_dir = self.directory / str(step)
-        if mesh_lib.is_writer():
-            tmp = step_dir / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(_digest(step_dir), indent=1))
-            tmp.rename(step_dir / MANIFEST)  # atomic: the manifest is either absent or complete
+        try:
+            with _quiet_orbax():
+                self._manager.save(step, args=args, force=True)
+            self._manager.wait_until_finished()
+            if mesh_lib.is_writer():
+                tmp = step_dir / (MANIFEST + ".tmp")
+                tmp.write_text(json.dumps(_digest(step_dir), indent=1))
+                tmp.rename(step_dir / MANIFEST)  # atomic: the manifest is either absent or complete
+        except Exception as e:  # Orbax and TensorStore raise many types for one failed write
+            # A step left without its manifest is moved aside at the next restore; the older ones are untouched.
+            good = [s for s in self.steps() if s != step]
+            last = f"the previous checkpoint, step {good[0]}, is untouched" if good else "there is no earlier checkpoint"
+            raise SaveFailed(f"saving checkpoint step {step} to {step_dir} failed ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'no message'}); {last}. Free disk space or "
+                             "fix the folder, then rerun the same command to resume.") from e
         return step_dir
 
     def steps(self) -> list[int]:
@@ -101,15 +160,13 @@ class Checkpointer:
     def restore_newest(self, like: Any) -> Restored | None:
         """The newest checkpoint that verifies and loads, shaped like `like`; None if there is none.
 
-        Each newer one that fails is skipped with a CheckpointWarning naming its directory.
+        Each newer one that fails is moved aside (`_set_aside`) with a CheckpointWarning naming it, so
+        the step can be saved again when training reaches it (Orbax refuses to overwrite a step).
         """
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in self.steps():
-            step_dir = self.directory / str(step)
             if not mesh_lib.from_process_0(lambda: self.is_valid(step)):
-                warnings.warn(f"checkpoint {step_dir} is incomplete or corrupted (its files do not match "
-                              f"{MANIFEST}); skipping it and trying the previous one.", CheckpointWarning,
-                              stacklevel=2)
+                self._set_aside(step, f"its files do not match {MANIFEST}")
                 continue
             args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             try:
@@ -117,11 +174,39 @@ class Checkpointer:
             except Exception as e:  # Orbax raises many types; any failure means "not usable"
                 restored, error = None, f"{type(e).__name__}: {e}"
             if not mesh_lib.on_every_process(error is None):
-                warnings.warn(f"checkpoint {step_dir} could not be restored ({error or 'on another process'}); "
-                              "skipping it and trying the previous one.", CheckpointWarning, stacklevel=2)
+                self._set_aside(step, f"it could not be restored: {error or 'on another process'}")
                 continue
             return Restored(step, restored.state, dict(restored.meta))
         return None
+
+    def _set_aside(self, step: int, why: str) -> Path:
+        """Rename a failed step to `<step>.corrupt-<UTC time>`, warning with both paths; returns the new one.
+
+        Process 0 renames; every process then re-reads the step list. Orbax only lists directories
+        named by a bare step number, so the renamed one is out of its way but kept for inspection.
+        """
+        step_dir = self.directory / str(step)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        aside = self.directory / f"{step}.corrupt-{stamp}"
+        suffix = 1
+        while aside.exists():  # two failures of one step within a second
+            aside, suffix = self.directory / f"{step}.corrupt-{stamp}-{suffix}", suffix + 1
+        if mesh_lib.is_writer():
+            try:
+                step_dir.rename(aside)
+            except OSError as e:
+                raise ConfigError(f"checkpoint {step_dir} is incomplete or corrupted ({why}), and moving it aside "
+                                  f"failed ({e.strerror}); move or delete it by hand, then rerun.") from None
+        mesh_lib.on_every_process(True)  # a barrier: nobody re-reads the steps before the rename
+        self._manager.reload()
+        warnings.warn(f"checkpoint {step_dir} is incomplete or corrupted ({why}); moved it to {aside.name} "
+                      "and resuming from the previous one.", CheckpointWarning, stacklevel=3)
+        return aside
+
+    def is_finished(self, step: int) -> bool:
+        """Whether the newest step on disk is `step` and verifies: a finished run, known without loading it."""
+        steps = self.steps()
+        return bool(steps) and steps[0] == step and mesh_lib.from_process_0(lambda: self.is_valid(step))
 
     def close(self) -> None:
         self._manager.close()

@@ -41,7 +41,7 @@ from moelab.lab import tracking
 from moelab.model import router, transformer
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
-from moelab.train.checkpoint import Checkpointer
+from moelab.train.checkpoint import Checkpointer, SaveFailed
 from moelab.train.monitor import Incident, Monitor, group_norms, router_bias_norms
 from moelab.train.schedule import learning_rate
 from moelab.train.state import TrainState, init_sharded_state, make_optimizer, state_shardings
@@ -159,6 +159,12 @@ class Hooks:
     on_step: Callable[[int], None] | None = None  # after each step, with the number of steps done
     on_log: Callable[[dict], None] | None = None  # each record written to metrics.jsonl
     on_eval: Callable[[int, dict[str, float]], None] | None = None
+    on_stage: Callable[[str], None] | None = None  # slow work before the steps: "compiling the train step", ...
+    on_resume: Callable[[int, Path], None] | None = None  # resuming from this step's checkpoint directory
+
+    def stage(self, name: str) -> None:
+        if self.on_stage:
+            self.on_stage(name)
 
 
 def _jsonable(metrics: dict) -> dict:
@@ -317,6 +323,10 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
         raise ConfigError(f"cannot create the output directory {out} ({e.strerror}): pass a writable path (--out).") from None
     try:
         return _train(cfg, out, hooks, on_track, changes, mesh, corpus, held_out, sinks)
+    except OSError as e:  # a log or config write: a full disk, a file-size limit, a lost mount
+        raise SaveFailed(f"writing {e.filename or 'a run file'} failed ({e.strerror or e}); the checkpoints saved "
+                         "so far are untouched. Free disk space or fix the folder, then rerun the same command "
+                         "to resume.") from e
     finally:
         for sink in sinks:
             sink.close()
@@ -332,26 +342,30 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
             getattr(sink, kind)(*payload)
 
     t, m = cfg.train, cfg.model
+    checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
+    # A finished run is left as it is, known from its summary and sealed last checkpoint before anything
+    # compiles (process 0 reads them; every process agrees).
+    previous = _finished_summary(out, t.steps)
+    if mesh_lib.from_process_0(lambda: previous is not None) and checkpoints.is_finished(t.steps):
+        checkpoints.close()
+        warnings.warn(f"{out} already finished its {t.steps} steps; nothing to do (its summary.json is unchanged). "
+                      "Pass a larger --steps to train on, or a new --out for a new run.", stacklevel=2)
+        return previous or {"step": t.steps, "resumed_from": t.steps}
+    hooks.stage("building the model")
     eval_sets = {d: [mesh_lib.place_batch(b, mesh) for b in batches] for d, batches in held_out.items()}
     state = init_sharded_state(cfg, mesh)
     train_step, eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
     prompts = tracking.sample_prompts(corpus, m.seq_len)
     decode, _ = tracking.make_greedy_decode(cfg, len(next(iter(prompts.values()))), corpus.tokenizer.vocab_size)
     tokens_per_step = t.batch_size * m.seq_len
-    checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
     restored = checkpoints.restore_newest(like=state)
     start = 0 if restored is None else restored.step
     if start > t.steps:
         checkpoints.close()
         raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={t.steps}: pass --steps "
                           f"{start} or more to continue it, or a new --out for a shorter run.")
-    # A finished run is left as it is (process 0 reads its summary; every process agrees).
-    previous = _finished_summary(out, t.steps) if start == t.steps else None
-    if start == t.steps and mesh_lib.from_process_0(lambda: previous is not None):
-        checkpoints.close()
-        warnings.warn(f"{out} already finished its {t.steps} steps; nothing to do (its summary.json is unchanged). "
-                      "Pass a larger --steps to train on, or a new --out for a new run.", stacklevel=2)
-        return previous or {"step": t.steps, "resumed_from": start}
+    if restored is not None and hooks.on_resume:
+        hooks.on_resume(start, checkpoints.directory / str(start))
     # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
     kept = {name: _read_jsonl_until(out / name, start) if start else [] for name in _LOGS}
     if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
@@ -363,6 +377,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
         with _open_run_file(out / "resumes.jsonl", "a") as f:
             f.write(json.dumps({"step": start, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
     else:
+        hooks.stage("compiling the eval step")
         initial_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
         realized = None
     with _open_run_file(out / "config.yaml", "w") as f:
@@ -375,6 +390,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
                                               "realized_tokens": mixture.counts})
 
     last_eval, record, tokens_per_s = initial_eval, {}, 0.0
+    steady_since, steady_steps = None, 0  # the throughput after this process's first (compiling) step
     if start == t.steps:  # finished, but its summary was never written: summarize the final state again
         last_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
         record = json.loads(kept["metrics.jsonl"][-1]) if kept["metrics.jsonl"] else {}
@@ -385,7 +401,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
                                                                 for name in _LOGS)
         mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized,
                                       [json.loads(x) for x in kept["mixture_log.jsonl"]])
-        window_start, window_steps = time.perf_counter(), 0
+        window_steps = 0
 
         def log_mixture(entry: dict | None) -> None:
             if entry is not None:
@@ -400,8 +416,10 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
             publish("samples", step, rows)
 
         if start == 0:
+            hooks.stage("compiling the sampler")
             log_samples(0)
-            window_start = time.perf_counter()  # the decode's compile is not training time
+        hooks.stage("compiling the train step")
+        window_start = time.perf_counter()  # the decode's compile is not training time
         for step in range(start, t.steps):
             log_mixture(mixture.before_step(step))
             _, phase = phase_at(cfg.data, step, t.steps)
@@ -409,8 +427,12 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
             ceiling = jnp.float32(monitor.loss_ceiling())
             state, metrics = train_step(state, mesh_lib.place_batch(batch.tokens, mesh), ceiling)
             scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
-            window_steps += 1
             done = step + 1
+            window_steps += 1
+            if steady_since is None:  # the first step compiled: time the steady state from here
+                steady_since = time.perf_counter()
+            else:
+                steady_steps += 1
             snapshot = mixture.after_step(done, batch)
             if snapshot is None and done == t.steps:
                 snapshot = mixture.snapshot(done)  # the end always gets one
@@ -476,7 +498,9 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
         "eval_initial": initial_eval,
         "eval_mean": last_eval["mean"],
         "tokens": t.steps * tokens_per_step,
-        "tokens_per_s": tokens_per_s,
+        # Steady state: every step this process ran after its first (which compiles), evals and saves
+        # included; None when it ran fewer than two.
+        "tokens_per_s": steady_steps * tokens_per_step / (time.perf_counter() - steady_since) if steady_steps else None,
         "incidents": len(kept["incidents.jsonl"]) + len(incidents),
         "resumed_from": start or None,
     }
