@@ -37,7 +37,6 @@ from moelab.config import ConfigError
 from moelab.lab import registry
 from moelab.lab.executor import BACKENDS, FAILED, PREEMPTED, SUCCESS, plan_experiment, run_experiment
 from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open_ledger, verify as verify_chain
-from moelab.lab.report import write_report
 
 lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
                       help="Pre-register, run and audit experiments: the open lab's record.")
@@ -272,4 +271,6 @@ def report(
                                                              "(default: the run's directory / report).")] = None,
 ) -> None:
     """Write an experiment's report (self-contained HTML and Markdown) and print the HTML path."""
+    from moelab.lab.report import write_report  # matplotlib: only for the command that plots
+
     print(write_report(open_ledger(ledger), exp_id, out))
