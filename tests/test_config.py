@@ -1,6 +1,8 @@
 """Config validation, YAML round-trips, dotted overrides, presets and the accounting of each."""
 
 import dataclasses
+import re
+import typing
 
 import pytest
 
@@ -9,6 +11,7 @@ from moelab.config import (
     ConfigError,
     ModelConfig,
     MoEConfig,
+    PhaseConfig,
     RunConfig,
     TrainConfig,
     dump_yaml,
@@ -37,6 +40,64 @@ from moelab.config import (
 def test_invalid_values_raise_config_error_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         override(presets.get("tiny"), overrides)
+
+
+def _float_fields(cls: type, prefix: str) -> list[str]:
+    """Dotted names of every float field (float or float | None) of `cls` and the sections inside it."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out += _float_fields(tp, f"{prefix}{name}.")
+        elif tp is float or float in typing.get_args(tp):
+            out.append(prefix + name)
+    return out
+
+
+FLOAT_FIELDS = _float_fields(RunConfig, "")
+
+
+def test_the_float_field_list_covers_every_section():
+    """Guards the test below: an empty or partial list would make it pass without checking anything."""
+    assert {name.split(".")[0] for name in FLOAT_FIELDS} == {"model", "data", "train", "monitor", "plan"}
+    assert {"model.moe.capacity_factor", "train.lr", "plan.tokens_per_s"} <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "1e999", "-1e999", "nan"])
+def test_every_float_field_refuses_non_finite_values_naming_the_field(field, value):
+    """inf passes a range check such as `lr > 0`, so finiteness is one rule for every float field, not a
+    check per field; "1e999" is how YAML 1.1 and `--set` hand over a number that overflows."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}=.* must be a finite number"):
+        override(presets.get("tiny"), {field: value})
+
+
+def test_constructed_configs_refuse_non_finite_floats_too():
+    with pytest.raises(ConfigError, match=r"train\.lr=inf .*finite"):
+        TrainConfig(lr=float("inf"))
+    with pytest.raises(ConfigError, match=r"model\.moe\.capacity_factor=nan .*finite"):
+        MoEConfig(capacity_factor=float("nan"))
+    with pytest.raises(ConfigError, match=r"data\.phases\[all\]\.weights\.code=inf .*finite"):
+        PhaseConfig("all", 1.0, {"code": float("inf")})
+
+
+@pytest.mark.parametrize("weight, message", [("lots", "'lots' must be a number"), (float("inf"), "inf is invalid"),
+                                             ("1e999", "'1e999' is invalid"), (None, "None must be a number")])
+def test_phase_weights_must_be_finite_numbers(weight, message):
+    data = {"data": {"phases": [{"name": "all", "fraction": 1.0, "weights": {"code": weight, "prose": 1}}]}}
+    with pytest.raises(ConfigError, match=rf"data\.phases\[0\]\.weights\.code={re.escape(message)}"):
+        from_dict(data)
+
+
+def test_a_domain_without_a_name_is_refused_naming_the_missing_key():
+    with pytest.raises(ConfigError, match=r"data\.domains\[0\]\.name is required.*name, kind, paths"):
+        from_dict({"data": {"domains": [{"kind": "files", "paths": ["a.txt"]}]}})
+
+
+@pytest.mark.parametrize("latent", [64, 128])
+def test_a_latent_as_wide_as_the_model_or_wider_is_refused(latent):
+    with pytest.raises(ConfigError, match=rf"model\.moe\.latent_dim={latent} .*smaller than model\.d_model=64"):
+        override(presets.get("tiny"), {"model.moe.latent_dim": latent})
+    assert override(presets.get("tiny"), {"model.moe.latent_dim": 48}).model.moe.latent_dim == 48
 
 
 def test_unknown_keys_are_named_with_the_allowed_ones():

@@ -171,6 +171,17 @@ def test_bad_user_file_raises_data_error_naming_the_file(tmp_path, name, content
     assert "data.domains[mine]" in str(error.value)
 
 
+def test_a_directory_given_as_a_data_path_is_named_as_a_directory_with_the_files_to_list_instead(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one\ntwo\n")
+    (folder / "notes.md").write_text("# not data\n")
+    with pytest.raises(DataError, match=r"corpus is a directory, not a file; list the .* files inside it") as error:
+        load_documents(DomainConfig("mine", kind="files", paths=(str(folder),)), 1000)
+    assert str(folder / "a.txt") in str(error.value) and "notes.md" not in str(error.value)
+    assert "does not exist" not in str(error.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # tokenizers
 

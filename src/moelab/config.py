@@ -75,6 +75,17 @@ def _one_of(name: str, value: Any, options: tuple[str, ...]) -> None:
     _check(value in options, name, value, f"must be one of {', '.join(options)}")
 
 
+_FINITE = "must be a finite number (not .inf, .nan or a value too large for a float, such as 1e999)"
+
+
+def _finite_floats(cfg: Any, prefix: str) -> None:
+    """Refuse inf and NaN in every float field of `cfg`: a range check such as `lr > 0` lets inf through."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), prefix + f.name, value, _FINITE)
+
+
 DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "grouped", "ep")
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCERS = ("none", "exact", "hist", "sign", "aux")
@@ -110,6 +121,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         p = "model.moe."
+        _finite_floats(self, p)
         _positive_int(p + "num_experts", self.num_experts)
         _positive_int(p + "num_experts_per_token", self.num_experts_per_token)
         _check(
@@ -181,6 +193,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         p = "model."
+        _finite_floats(self, p)
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "seq_len"):
             _positive_int(p + name, getattr(self, name))
         if self.head_dim is None:
@@ -204,6 +217,10 @@ class ModelConfig:
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _one_of(p + "remat", self.remat, REMAT)
         _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
+        if self.moe.latent_dim is not None:
+            _check(self.moe.latent_dim < self.d_model, "model.moe.latent_dim", self.moe.latent_dim,
+                   f"must be smaller than model.d_model={self.d_model}: the latent compresses the experts' input "
+                   f"(d_model / 2 = {self.d_model // 2} is the usual width); set null for no latent")
         if self.moe.dispatch == "grouped":  # Triton's MMA tiles are multiples of 16 (GROUPED_MIN_TILE)
             input_name = "model.moe.latent_dim" if self.moe.latent_dim is not None else "model.d_model"
             for name, width in (("model.moe.expert_dim", self.moe.expert_dim), (input_name, self.expert_input_dim)):
@@ -249,6 +266,10 @@ class PhaseConfig:
 
     def __post_init__(self) -> None:
         p = f"data.phases[{self.name}]."
+        _finite_floats(self, p)
+        for domain, weight in self.weights.items():
+            _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+                   f"{p}weights.{domain}", weight, _FINITE)
         _check(0 < self.fraction <= 1, p + "fraction", self.fraction, "must be in (0, 1]")
         _check(
             bool(self.weights) and all(w >= 0 for w in self.weights.values()) and sum(self.weights.values()) > 0,
@@ -282,6 +303,7 @@ class DataConfig:
     max_bytes_per_domain: int = 4_000_000  # caps each embedded domain (not user files) so start-up stays fast
 
     def __post_init__(self) -> None:
+        _finite_floats(self, "data.")
         names = [d.name for d in self.domains]
         _check(len(names) > 0, "data.domains", names, "list at least one domain")
         _check(len(set(names)) == len(names), "data.domains", names, "domain names must be unique")
@@ -324,6 +346,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         p = "train."
+        _finite_floats(self, p)
         for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "mixture_snapshot_every"):
             _positive_int(p + name, getattr(self, name))
         _non_negative_int(p + "warmup_steps", self.warmup_steps)
@@ -383,6 +406,7 @@ class MonitorConfig:
     skip_spikes: bool = False  # drop the update of a step whose loss is above the spike threshold
 
     def __post_init__(self) -> None:
+        _finite_floats(self, "monitor.")
         _positive_int("monitor.recent_window", self.recent_window)
         _positive_int("monitor.trailing_window", self.trailing_window)
         _check(self.min_jump >= 0, "monitor.min_jump", self.min_jump, "must be >= 0")
@@ -404,6 +428,7 @@ class PlanConfig:
     deadline_hours: float | None = None  # wall clock from the start; None: budget / tokens_per_s exactly
 
     def __post_init__(self) -> None:
+        _finite_floats(self, "plan.")
         _positive_int("plan.num_devices", self.num_devices)
         if self.tokens_per_s is not None:
             _check(self.tokens_per_s > 0, "plan.tokens_per_s", self.tokens_per_s, "must be > 0")
@@ -472,30 +497,46 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}.")
-        return {str(k): float(v) for k, v in value.items()}
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
+        return {str(k): _convert(v, float, f"{where}.{k}") for k, v in value.items()}
+    if tp is float:
+        return _to_float(value, where)
     if tp is int and isinstance(value, float) and value.is_integer():
         return int(value)
-    if tp in (int, float, str, bool) and not isinstance(value, tp):
+    if tp in (int, str, bool) and not isinstance(value, tp):
         raise ConfigError(f"{where}={value!r} must be of type {tp.__name__}.")
     return value
+
+
+def _to_float(value: Any, where: str) -> float:
+    """A finite float from a YAML number, or from text such as `1e-3` (YAML 1.1 reads a number without a dot
+    as a string); `.inf`, `.nan` and `1e999` (which overflows to inf) are refused, naming `where`."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise ConfigError(f"{where}={value!r} must be a number, e.g. 0.5 or 1e-3.")
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}={value!r} is invalid: {_FINITE}.")
+    return float(number)
 
 
 def _build(cls: type, data: dict, where: str) -> Any:
     hints = _field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
+    prefix = f"{where}." if where else ""
     if unknown:
-        prefix = f"{where}." if where else ""
         raise ConfigError(
             f"Unknown key {prefix}{unknown[0]}; the keys allowed here are: {', '.join(names)}."
         )
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]} is required; give it a value (the keys allowed here are: "
+                          f"{', '.join(names)}).")
     kwargs = {}
     for name in names:
         if name in data:
@@ -510,10 +551,7 @@ def from_dict(data: dict, cls: type = RunConfig) -> Any:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"a {cls.__name__} must be a mapping at the top level, got {type(data).__name__}.")
-    try:
-        return _build(cls, data, "")
-    except TypeError as e:  # a required field left out, e.g. a domain without a name
-        raise ConfigError(str(e)) from None
+    return _build(cls, data, "")
 
 
 def to_dict(cfg: Any) -> Any:

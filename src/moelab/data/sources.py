@@ -183,6 +183,11 @@ def _load_files(domain: DomainConfig) -> list[str]:
     documents: list[str] = []
     for name in domain.paths:
         path = Path(name)
+        if path.is_dir():
+            inside = sorted(str(p) for p in path.iterdir() if p.suffix.lower() in _FILE_SUFFIXES)[:3]
+            example = f" (it holds e.g. {', '.join(inside)})" if inside else ""
+            raise DataError(f"{where}: {path} is a directory, not a file; list the {', '.join(_FILE_SUFFIXES)} files "
+                            f"inside it one by one{example}.")
         if not path.is_file():
             raise DataError(f"{where}: file {path} does not exist; fix the path or remove it from the list.")
         suffix = path.suffix.lower()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import re
 import subprocess
 from dataclasses import dataclass
@@ -136,7 +137,8 @@ def spec_hash(data: dict) -> str:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float: YAML's .inf and .nan, and 1e999 (inf once read), are no prediction or amount."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _parse_prediction(data: Any, where: str) -> Prediction:
@@ -152,13 +154,13 @@ def _parse_prediction(data: Any, where: str) -> Prediction:
             raise ConfigError(f"{where}: prediction.{key}={data[key]!r} must be text.")
     expected, band = data.get("expected"), data.get("band")
     if expected is not None and not _number(expected):
-        raise ConfigError(f"{where}: prediction.expected={expected!r} must be a number, e.g. expected: 2.3.")
+        raise ConfigError(f"{where}: prediction.expected={expected!r} must be a finite number, e.g. expected: 2.3.")
     if band is not None:
         ok = (isinstance(band, list) and len(band) == 2 and all(b is None or _number(b) for b in band)
               and band != [None, None] and (None in band or band[0] < band[1]))
         if not ok:
-            raise ConfigError(f"{where}: prediction.band={band!r} must be [low, high] with low < high; null "
-                              "leaves a side open, e.g. band: [null, 2.5] for 'below 2.5'.")
+            raise ConfigError(f"{where}: prediction.band={band!r} must be [low, high], finite numbers with low < "
+                              "high; null (not .inf) leaves a side open, e.g. band: [null, 2.5] for 'below 2.5'.")
         band = tuple(band)
     if expected is None and band is None:
         raise ConfigError(f"{where} is missing required field(s) prediction.expected or prediction.band. "
@@ -197,7 +199,7 @@ def parse_spec(data: dict, where: str) -> Spec:
             raise ConfigError(f"{where}: {key} must be a mapping, got {data[key]!r}.")
     resources = data.get("resources")
     if resources is not None and not all(isinstance(k, str) and _number(v) and v >= 0 for k, v in resources.items()):
-        raise ConfigError(f"{where}: resources={resources!r} must map resource names to amounts >= 0, "
+        raise ConfigError(f"{where}: resources={resources!r} must map resource names to finite amounts >= 0, "
                           "e.g. resources: {num_gpus: 1}.")
     spec = Spec(id=data["id"], title=data["title"], question=data["question"], hypothesis=data["hypothesis"],
                 prediction=_parse_prediction(data["prediction"], where), owner=data["owner"],

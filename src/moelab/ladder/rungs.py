@@ -40,6 +40,14 @@ class LadderRecipe:
         if len(self.shapes) < 2:
             raise ConfigError(f"ladder rungs={list(self.shapes)} is invalid: list at least 2 (d_model, num_layers) "
                               "shapes, e.g. rungs: [[32, 2], [48, 2], [64, 3]].")
+        if self.rung_batch_size is not None and not _whole(self.rung_batch_size):
+            raise ConfigError(f"ladder rung_batch_size={self.rung_batch_size!r} is invalid: must be an integer >= 1, "
+                              "or null for the target's batch size.")
+
+
+def _whole(value) -> bool:
+    """An integer >= 1 (bool is not one); a float such as 2.0 or .inf is refused, not truncated."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _scaled(width: int | None, target_d: int, d_model: int) -> int | None:
@@ -124,17 +132,20 @@ def recipe_from_data(data: dict, where: str = "ladder recipe") -> LadderRecipe:
     if unknown or "target" not in data or "rungs" not in data:
         raise ConfigError(f"{where} must have the keys target and rungs (and optionally rung_batch_size); "
                           f"got {sorted(data)}.")
-    target = data["target"]
-    if isinstance(target, dict) and "preset" in target:
-        cfg = presets.get(target["preset"])
-        target = override(cfg, target.get("overrides") or {})
-    else:
-        target = from_dict(target)
-    try:
-        shapes = tuple((int(d), int(layers)) for d, layers in data["rungs"])
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: rungs={data['rungs']!r} must be a list of [d_model, num_layers] pairs.") from None
-    return LadderRecipe(target, shapes, data.get("rung_batch_size"))
+    rungs = data["rungs"]
+    try:  # every message below starts with `where`, the file or spec it came from
+        if not (isinstance(rungs, (list, tuple))
+                and all(isinstance(r, (list, tuple)) and len(r) == 2 and all(map(_whole, r)) for r in rungs)):
+            raise ConfigError(f"rungs={rungs!r} must be a list of [d_model, num_layers] pairs of integers >= 1, "
+                              "e.g. rungs: [[32, 2], [48, 2], [64, 3]].")
+        target = data["target"]
+        if isinstance(target, dict) and "preset" in target:
+            target = override(presets.get(target["preset"]), target.get("overrides") or {})
+        else:
+            target = from_dict(target)
+        return LadderRecipe(target, tuple((d, layers) for d, layers in rungs), data.get("rung_batch_size"))
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def plan_rows(configs: list[RunConfig]) -> list[dict]:

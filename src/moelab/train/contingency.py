@@ -142,7 +142,8 @@ def parse_event(spec: str) -> Event:
             values[key] = int(raw.strip())
         except ValueError:
             raise ConfigError(
-                f"event.{key}={raw.strip()!r} in --event {spec!r} is invalid: must be a whole number."
+                f"event.{key}={raw.strip()!r} in --event {spec!r} is invalid: must be a whole number "
+                f"(e.g. {_EXAMPLE})."
             ) from None
     missing = [key for key in _EVENT_KEYS if key not in values]
     if missing:
