@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,34 @@ def test_train_command_writes_config_metrics_and_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 4 and set(summary["eval"]) == {"code", "prose", "arithmetic", "mean"}
     assert "moe:" in (out / "config.yaml").read_text()
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_preset_table_names_every_preset_and_points_at_nothing_outside_the_repository():
+    from moelab import presets
+
+    text = README.read_text()
+    table = text[text.index("| preset | what |"):]
+    table = table[: table.index("\n\n")]
+    assert all(f"`{name}`" in table for name in presets.describe()), set(presets.describe())
+    assert "../" not in text  # a clone holds only the repository: ../shared/design.md was a dead link
+
+
+@pytest.mark.parametrize("command", [["flops"], ["presets"], ["lab", "show"], ["lab", "run"]])
+def test_help_shows_flags_without_a_value_placeholder(command, monkeypatch, capsys):
+    """typer labelled `--json` and `--help` as `<bool>`, as if they took a value (`--json true` then read
+    `true` as the next argument)."""
+    code, out, _ = run_cli([*command, "--help"], monkeypatch, capsys)
+    assert code == 0 and "--json" in out and "--help" in out
+    assert "<bool>" not in out
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["train", "--preset", "tiny", "--steps", "ten"], "'ten'"),
+    (["flops", "--preset", "tiny", "--tokens", "abc"], "'abc'"),
+])
+def test_a_value_of_the_wrong_type_is_repeated_in_the_usage_error(args, shown, monkeypatch, capsys):
+    code, _, err = run_cli(args, monkeypatch, capsys)
+    assert code == 2 and shown in err and "Traceback" not in err
