@@ -14,11 +14,13 @@ from moelab.config import (
     PhaseConfig,
     RunConfig,
     TrainConfig,
+    changed_fields,
     dump_yaml,
     from_dict,
     load_yaml,
     override,
     parse_overrides,
+    to_dict,
 )
 
 
@@ -136,6 +138,72 @@ def test_overrides_parse_yaml_scalars_and_reject_missing_equals():
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match="tiny"):
         presets.get("nope")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"mesh.expert": 4}, r"model\.moe\.dispatch='capacity' cannot run with mesh\.expert=4: .*set model\.moe\.dispatch=ep"),
+    ({"mesh.replica": 2, "model.moe.dispatch": "grouped"},
+     r"model\.moe\.dispatch='grouped' runs on one device, but the mesh has 2: .*Use dispatch 'ep'"),
+])
+def test_a_dispatch_backend_that_cannot_run_on_the_mesh_is_refused_naming_both_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        override(presets.get("tiny"), overrides)
+
+
+def test_any_backend_runs_data_parallel_and_ep_runs_on_any_mesh():
+    tiny = presets.get("tiny")
+    assert override(tiny, {"mesh.replica": 2}).model.moe.dispatch == "capacity"
+    assert override(tiny, {"mesh.expert": 4, "model.moe.dispatch": "ep"}).mesh.expert == 4
+    assert override(tiny, {"model.moe.dispatch": "ep"}).mesh.expert == 1
+
+
+def test_the_frontier_preset_passes_the_validation_train_applies_on_its_own_mesh():
+    """`train` accepts what RunConfig accepts (every cross-section rule lives there), reloads it from the
+    config.yaml it saves, and checks the tokenizer fits the vocabulary; only the device count is left to
+    `make_mesh`. The frontier shards 384 experts over 64 devices, so it must name the `ep` backend."""
+    from moelab.train.loop import prepare_corpus
+
+    cfg = presets.get("frontier-535b")
+    assert (cfg.mesh.replica, cfg.mesh.expert, cfg.model.moe.dispatch) == (1, 64, "ep")
+    assert from_dict(to_dict(cfg)) == cfg
+    assert prepare_corpus(cfg).tokenizer.vocab_size <= cfg.model.vocab_size
+    with pytest.raises(ConfigError, match="dispatch='capacity' cannot run with mesh.expert=64"):
+        override(cfg, {"model.moe.dispatch": "capacity"})
+
+
+def test_resolve_reads_a_preset_a_yaml_file_and_a_spec_mapping_alike(tmp_path):
+    sets = {"train.steps": 5, "model.moe.num_experts": 16}
+    expected = override(presets.get("tiny"), sets)
+    path = tmp_path / "run.yaml"
+    path.write_text(dump_yaml(presets.get("tiny")))
+    assert presets.resolve("tiny", sets) == expected
+    assert presets.resolve(path, sets) == expected
+    assert presets.resolve({"preset": "tiny", "overrides": sets}) == expected
+    assert presets.resolve({"preset": "tiny", "overrides": {"train.steps": 3}}, sets) == expected  # the caller's last
+    assert presets.resolve(to_dict(expected)) == expected
+
+
+def test_resolve_applies_all_overrides_at_once_so_a_pair_valid_only_together_passes():
+    cfg = presets.resolve({"preset": "tiny", "overrides": {"mesh.expert": 4}}, {"model.moe.dispatch": "ep"})
+    assert (cfg.mesh.expert, cfg.model.moe.dispatch) == (4, "ep")
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"preset": "tiny", "steps": 3}, "steps cannot sit beside preset; put changes under overrides"),
+    ({"preset": "tiny", "overrides": [1]}, r"overrides=\[1\] must map dotted fields to values"),
+    ({"preset": "nope"}, "unknown preset 'nope'"),
+    (3, "must be a preset name, a YAML file or a mapping"),
+])
+def test_resolve_refuses_a_bad_source_by_name(source, message):
+    with pytest.raises(ConfigError, match=message):
+        presets.resolve(source)
+
+
+def test_changed_fields_names_each_differing_leaf_by_its_dotted_path():
+    tiny = presets.get("tiny")
+    new = override(tiny, {"train.steps": 5, "model.moe.latent_dim": None})
+    assert changed_fields(to_dict(tiny), to_dict(new)) == {"model.moe.latent_dim": (32, None), "train.steps": (300, 5)}
+    assert changed_fields({"x": 1}, {"x": 1, "y": {"z": 2}}) == {"y.z": (None, 2)}
 
 
 def test_mixtral_style_yaml_loads():

@@ -11,7 +11,8 @@ from helpers import run_cli
 from moelab import accounting, presets
 from moelab.config import ConfigError, load_yaml, override
 from moelab.ladder.predict import OnTrack, load_prediction
-from moelab.ladder.rungs import LadderRecipe, make_rung, rungs_of, scale_model, tokens_per_active_param
+from moelab.ladder.rungs import LadderRecipe, preset_recipe, rungs_of
+from moelab.presets import make_rung, scale_model, tokens_per_active_param
 from moelab.ladder.run import target_rows, write_csv
 from moelab.train.loop import _warn_if_predicted_for_another_run
 
@@ -36,6 +37,15 @@ def test_rungs_keep_the_targets_tokens_per_active_parameter():
         # steps are whole: the ratio holds to within one step's tokens
         assert abs(tokens_per_active_param(rung) - ratio) * accounting.count_params(rung.model).active \
             <= 256 * 4096
+
+
+def test_the_frontiers_published_ladder_is_the_ladder_presets_on_the_frontiers_mesh():
+    recipe = preset_recipe("frontier-535b")
+    rungs = rungs_of(recipe)
+    assert [r.model for r in rungs] == [presets.get(f"ladder-d{d}").model for d, _ in presets.FRONTIER_LADDER]
+    assert all(r.mesh == recipe.target.mesh and r.model.moe.dispatch == "ep" for r in rungs)
+    with pytest.raises(ConfigError, match="'tiny' has no published ladder.*frontier-535b"):
+        preset_recipe("tiny")
 
 
 def test_scale_model_rejects_a_width_that_breaks_the_head_size():
@@ -76,7 +86,8 @@ def test_ladder_plan_of_a_recipe_file(tmp_path, monkeypatch, capsys):
     ("target: {preset: tiny}\nrungs: [[32, 1]]\n", "at least 2"),
     ("target: {preset: tiny}\nrungs: [[48, 2], [32, 1]]\n", "must grow in active parameters"),
     ("target: {preset: nope}\nrungs: [[32, 1], [48, 2]]\n", "unknown preset"),
-    ("target: [unclosed\n", "not valid YAML"),
+    ("target: {preset: tiny, steps: 3}\nrungs: [[32, 1], [48, 2]]\n", "steps cannot sit beside preset"),
+    ("target: [unclosed\n", "not valid YAML at line"),
 ])
 def test_bad_recipes_exit_2_with_a_clear_message(content, message, tmp_path, monkeypatch, capsys):
     recipe = tmp_path / "recipe.yaml"

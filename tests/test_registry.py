@@ -187,6 +187,9 @@ def test_a_spec_missing_a_required_field_exits_2_naming_it_and_creates_no_ledger
     ({"ladder": {"rungs": 4}}, "give one of config or ladder"),
     ({"config": {"preset": "tiny", "overrides": {"model.num_heads": 3}}}, "config: model.num_heads=3"),
     ({"config": {"preset": "nope"}}, "unknown preset 'nope'"),
+    ({"config": {"preset": "tiny", "train": {"steps": 3}}}, "config: train cannot sit beside preset"),
+    ({"config": {"preset": "tiny", "overrides": {"mesh.expert": 4}}}, "config: model.moe.dispatch='capacity' "
+                                                                      "cannot run with mesh.expert=4"),
     ({"resources": {"num_gpus": -1}}, "resources="),
 ])
 def test_an_invalid_spec_exits_2_naming_the_field_and_the_value(change, message, lab):

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from moelab import presets
-from moelab.config import ConfigError, RunConfig, load_yaml, override, parse_overrides
+from moelab.config import ConfigError, RunConfig, parse_overrides
 
 __all__ = ["out_console", "err_console", "PresetOpt", "ConfigArg", "SetOpt", "JsonOpt", "resolve_config"]
 
@@ -28,10 +28,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object ins
 
 
 def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, **fields) -> RunConfig:
-    """The run config from exactly one of a YAML file or a preset, with overrides applied."""
+    """The run config from exactly one of a YAML file or a preset, with `--set` and flag `fields` applied."""
     if (config is None) == (preset is None):
         raise ConfigError("give exactly one of CONFIG.yaml or --preset NAME, e.g. `moelab train --preset tiny`.")
-    cfg = load_yaml(config) if config is not None else presets.get(preset)
     updates = parse_overrides(sets or [])
     updates.update({k: v for k, v in fields.items() if v is not None})
-    return override(cfg, updates) if updates else cfg
+    return presets.resolve(Path(config) if config is not None else preset, updates)

@@ -2,7 +2,10 @@
 
 A run is a `RunConfig` holding `ModelConfig` (with its `MoEConfig`), `DataConfig`, `TrainConfig` and
 `MeshConfig`. Every field is validated in `__post_init__`; a bad value raises `ConfigError` naming the
-field, the value and what is allowed. Derive variants with `dataclasses.replace` or `override`.
+field, the value and what is allowed. Rules that need two sections (the mesh against the experts, the
+batch and the dispatch backend) are `RunConfig`'s, so a config that constructs is one `train` accepts,
+devices permitting. Derive variants with `dataclasses.replace` or `override`; named configs and
+"preset or file plus overrides" are `moelab.presets`.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ __all__ = [
     "RunConfig",
     "from_dict",
     "to_dict",
+    "read_yaml",
     "load_yaml",
     "dump_yaml",
+    "changed_fields",
     "override",
     "parse_overrides",
 ]
@@ -301,9 +306,11 @@ class DataConfig:
     bpe_vocab_size: int = 1024  # only with tokenizer="bpe"
     heldout_fraction: float = 0.1  # share of each domain's documents held out for eval
     max_bytes_per_domain: int = 4_000_000  # caps each embedded domain (not user files) so start-up stays fast
+    seed: int = 0  # the content of generated data (the arithmetic domain); train.seed is init and data order
 
     def __post_init__(self) -> None:
         _finite_floats(self, "data.")
+        _non_negative_int("data.seed", self.seed)
         names = [d.name for d in self.domains]
         _check(len(names) > 0, "data.domains", names, "list at least one domain")
         _check(len(set(names)) == len(names), "data.domains", names, "domain names must be unique")
@@ -465,6 +472,20 @@ class RunConfig:
             f"must be divisible by the {self.mesh.num_devices} devices of mesh "
             f"replica={self.mesh.replica} x expert={self.mesh.expert}",
         )
+        # Only `ep` runs experts sharded over devices; `grouped`'s Pallas kernel cannot be split by the
+        # SPMD partitioner at all, so on several devices each would redo the whole layer.
+        if moe.dispatch == "grouped" and self.mesh.num_devices > 1:
+            raise ConfigError(
+                f"model.moe.dispatch='grouped' runs on one device, but the mesh has {self.mesh.num_devices}: its "
+                "Pallas kernel cannot be split over devices (each would redo the whole layer). Use dispatch 'ep' "
+                "across devices, or 'grouped' with mesh.replica=1, mesh.expert=1."
+            )
+        if self.mesh.expert > 1 and moe.dispatch != "ep":
+            raise ConfigError(
+                f"model.moe.dispatch={moe.dispatch!r} cannot run with mesh.expert={self.mesh.expert}: experts "
+                "sharded over devices need the expert-parallel backend; set model.moe.dispatch=ep, or "
+                "mesh.expert=1 for data parallelism only."
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,19 +586,27 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def load_yaml(path: str | Path) -> RunConfig:
-    """Read a RunConfig from YAML; a missing file or bad syntax raises ConfigError naming the file."""
+def read_yaml(path: str | Path, kind: str, instead: str) -> Any:
+    """The data in the YAML file `path`; a missing file or bad syntax raises ConfigError naming it.
+
+    `kind` names the file in the message ("config", "spec", "recipe"); `instead` is what to pass
+    when the file does not exist, e.g. "pass a ladder recipe YAML".
+    """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass a YAML file or --preset NAME.")
+        raise ConfigError(f"{kind} file {path} does not exist; {instead}.")
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}; "
+        raise ConfigError(f"{kind} file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}; "
                           "fix the syntax (see experiments/*.yaml for examples).") from None
-    return from_dict(data)
+
+
+def load_yaml(path: str | Path) -> RunConfig:
+    """Read a RunConfig from YAML; a missing file or bad syntax raises ConfigError naming the file."""
+    return from_dict(read_yaml(path, "config", "pass a YAML file or --preset NAME"))
 
 
 def dump_yaml(cfg: Any) -> str:
@@ -597,6 +626,22 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
             value = raw
         out[key.strip()] = value
     return out
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def changed_fields(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """The leaves that differ between two nested mappings, as {dotted.key: (old, new)}; None where a side
+    lacks the key. For configs, pass `to_dict(cfg)`."""
+    a, b = _flatten(old), _flatten(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 def override(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:

@@ -1,19 +1,33 @@
-"""Named run configurations: the CPU-sized `tiny`, the 535B-A23B frontier target and its ladder shapes,
-and the one-GPU benchmark shapes `gpu-small` / `gpu-medium` with their equal-FLOP dense counterparts.
+"""Named run configurations, and `resolve`: the one way to get a RunConfig.
 
-`get(name)` returns a validated RunConfig; `describe()` lists every preset with one line. Anything
-not here is expressible in YAML (for example `experiments/mixtral-style.yaml`).
+The presets: the CPU-sized `tiny`, the 535B-A23B frontier target and its ladder rungs, and the
+one-GPU benchmark shapes `gpu-small` / `gpu-medium` with their equal-FLOP dense counterparts.
+`get(name)` returns a validated preset; `describe()` lists every preset with one line. Anything not
+here is expressible in YAML (for example `experiments/mixtral-style.yaml`).
+
+    cfg = resolve("tiny", {"train.steps": 300})                                 # a preset
+    cfg = resolve(Path("run.yaml"), {"train.seed": 1})                          # a YAML file
+    cfg = resolve({"preset": "tiny", "overrides": {"train.steps": 300}})        # a spec's `config:`
+
+The rung rule (`make_rung`: the target's recipe at another width and depth, same tokens per active
+parameter) lives here because the `ladder-d*` presets are rungs of the frontier; `moelab.ladder`
+builds its rungs with it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
-from moelab.accounting import flops_per_token
-from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from moelab.accounting import count_params, flops_per_token, train_tokens
+from moelab.config import (ConfigError, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, from_dict,
+                           load_yaml, override)
 
-__all__ = ["PRESETS", "FRONTIER_LADDER", "LADDERS", "GPU_VOCAB", "dense_counterpart", "get", "describe"]
+__all__ = ["PRESETS", "FRONTIER_LADDER", "LADDERS", "GPU_VOCAB", "EVALS_PER_RUN", "dense_counterpart", "get",
+           "describe", "resolve", "scale_model", "tokens_per_active_param", "make_rung"]
 
 FRONTIER_TOKENS = 18_750_000_000_000
 FRONTIER_VOCAB = 128_256
@@ -57,7 +71,7 @@ def _frontier() -> RunConfig:
         seq_len=FRONTIER_SEQ,
         moe=MoEConfig(num_experts=384, num_experts_per_token=8, expert_dim=half, num_shared_experts=2,
                       shared_expert_dim=half, latent_dim=half, capacity_factor=1.15, num_waves=3,
-                      dispatch="capacity", balancing="hist"),
+                      dispatch="ep", balancing="hist"),  # ep: the backend that shards experts over mesh.expert=64
     )
     steps = math.ceil(FRONTIER_TOKENS / (FRONTIER_BATCH * FRONTIER_SEQ))
     return RunConfig(
@@ -70,13 +84,12 @@ def _frontier() -> RunConfig:
 
 # The frontier's published ladder: (d_model, num_layers) per rung; heads follow from head dim 128.
 FRONTIER_LADDER = ((768, 8), (1024, 12), (1536, 16), (2048, 22))
+FRONTIER_RUNG_BATCH = 256
 
 
 def _ladder(d_model: int, num_layers: int) -> RunConfig:
-    """A rung of the frontier recipe at the frontier's tokens per active parameter (`ladder.rungs`)."""
-    from moelab.ladder.rungs import make_rung  # rungs reads presets lazily; no import cycle
-
-    return make_rung(_frontier(), d_model, num_layers, batch_size=256, lr=1e-3)
+    """A rung of the frontier recipe at the frontier's tokens per active parameter."""
+    return make_rung(_frontier(), d_model, num_layers, batch_size=FRONTIER_RUNG_BATCH, lr=1e-3)
 
 
 # One-GPU benchmark shapes (benchmarks/gpu_suite.sh). Vocabulary 32768: a realistic BPE size (a
@@ -150,7 +163,7 @@ PRESETS = {
 
 
 # Presets with a published ladder: rung shapes and the rungs' batch size (`moelab ladder plan --preset`).
-LADDERS = {"frontier-535b": (FRONTIER_LADDER, 256)}
+LADDERS = {"frontier-535b": (FRONTIER_LADDER, FRONTIER_RUNG_BATCH)}
 
 
 def get(name: str) -> RunConfig:
@@ -162,3 +175,104 @@ def get(name: str) -> RunConfig:
 
 def describe() -> dict[str, str]:
     return {name: line for name, (_, line) in PRESETS.items()}
+
+
+def resolve(source: str | Path | Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """The RunConfig named by `source`, with dotted `overrides` applied and the whole validated.
+
+    Args:
+        source: a preset name (`str`, e.g. "tiny"); a run config YAML file (`Path`); or a mapping: either
+            `{preset: NAME, overrides: {dotted.field: value}}` (an experiment spec's `config:`, a ladder
+            recipe's `target:`) or a whole RunConfig as plain data.
+        overrides: e.g. `{"train.steps": 300}`; applied after the mapping's own overrides, in one pass.
+
+    Raises:
+        ConfigError: an unknown preset, a missing or malformed file, or a bad field, by name.
+    """
+    updates: dict[str, Any] = {}
+    if isinstance(source, Path):
+        cfg = load_yaml(source)
+    elif isinstance(source, str):
+        cfg = get(source)
+    elif isinstance(source, Mapping) and "preset" in source:
+        extra = sorted(set(source) - {"preset", "overrides"})
+        if extra:
+            raise ConfigError(f"{extra[0]} cannot sit beside preset; put changes under overrides, e.g. "
+                              "{preset: tiny, overrides: {train.steps: 300}}.")
+        inner = source.get("overrides") or {}
+        if not isinstance(inner, Mapping):
+            raise ConfigError(f"overrides={inner!r} must map dotted fields to values, e.g. "
+                              "overrides: {train.steps: 300}.")
+        cfg, updates = get(source["preset"]), {str(k): v for k, v in inner.items()}
+    elif isinstance(source, Mapping):
+        cfg = from_dict(dict(source))
+    else:
+        raise ConfigError(f"a run config must be a preset name, a YAML file or a mapping ({{preset: NAME, "
+                          f"overrides: {{...}}}} or a whole RunConfig); got {source!r}.")
+    updates.update(overrides or {})
+    return override(cfg, updates) if updates else cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# rungs: a target's recipe at another width and depth (`moelab.ladder` and the ladder-d* presets)
+
+EVALS_PER_RUN = 20  # eval every 5% of each rung, so each run contributes a whole curve to the fit
+
+
+def _scaled(width: int | None, target_d: int, d_model: int) -> int | None:
+    return None if width is None else max(1, round(width * d_model / target_d))
+
+
+def _kv_heads(num_heads: int, group: int) -> int:
+    """The target's query heads per KV head kept as closely as num_heads allows (a divisor, >= 1)."""
+    want = max(1, num_heads // group)
+    return max(k for k in range(1, want + 1) if num_heads % k == 0)
+
+
+def scale_model(target: ModelConfig, d_model: int, num_layers: int) -> ModelConfig:
+    """The target's model at another width and depth, same recipe.
+
+    Kept: head dim, the KV grouping, the routing geometry (experts, top-k, shared experts), expert /
+    latent / shared widths as fractions of d_model, vocabulary and sequence length.
+    """
+    head_dim = target.dim_per_head
+    if d_model % head_dim:
+        raise ConfigError(f"ladder rung d_model={d_model} is invalid: must be a multiple of the target's head dim "
+                          f"{head_dim} so the rung keeps the recipe's head size.")
+    num_heads = d_model // head_dim
+    moe = target.moe
+    return replace(
+        target,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=_kv_heads(num_heads, target.num_heads // target.num_kv_heads),
+        head_dim=head_dim if target.head_dim is not None else None,
+        moe=replace(
+            moe,
+            expert_dim=_scaled(moe.expert_dim, target.d_model, d_model),
+            shared_expert_dim=_scaled(moe.shared_expert_dim, target.d_model, d_model),
+            latent_dim=_scaled(moe.latent_dim, target.d_model, d_model),
+        ),
+    )
+
+
+def tokens_per_active_param(cfg: RunConfig) -> float:
+    return train_tokens(cfg) / count_params(cfg.model).active
+
+
+def make_rung(target: RunConfig, d_model: int, num_layers: int, batch_size: int | None = None,
+              **train_fields) -> RunConfig:
+    """A rung of `target`'s recipe: scaled model (`scale_model`), same tokens per active parameter.
+
+    Everything else (data, schedule shape, mesh) is the target's. `train_fields` override TrainConfig
+    fields (e.g. lr, warmup_steps, eval_every); by default the rung warms up for 5% of its steps and
+    evaluates every 5%.
+    """
+    model = scale_model(target.model, d_model, num_layers)
+    batch = batch_size or target.train.batch_size
+    tokens = tokens_per_active_param(target) * count_params(model).active
+    steps = max(EVALS_PER_RUN, round(tokens / (batch * model.seq_len)))
+    fields = {"steps": steps, "batch_size": batch, "warmup_steps": max(1, steps // EVALS_PER_RUN),
+              "eval_every": max(1, steps // EVALS_PER_RUN), **train_fields}
+    return replace(target, name=f"ladder-d{d_model}-l{num_layers}", model=model, train=replace(target.train, **fields))

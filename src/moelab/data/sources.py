@@ -6,7 +6,7 @@ the tests need no download:
 - `code`: the standard library's `.py` files, one file per document, in sorted path order;
 - `prose`: the documentation topics of `pydoc_data.topics`, then the module docstrings of the standard
   library, read from source (never imported: importing runs code and is slow);
-- `arithmetic`: synthetic problems with their answers (`"417 + 86 = 503"`), generated from a seed.
+- `arithmetic`: synthetic problems with their answers (`"417 + 86 = 503"`), generated from `data.seed`.
 
 A `files` domain reads the user's `.txt` (one file per document), `.jsonl` (one document per line, from its
 `text` field) or `.parquet` files (a `text` column). Anything malformed raises `DataError` naming the file,
@@ -49,7 +49,7 @@ def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> list[
         max_bytes: budget of UTF-8 bytes for an embedded domain: whole documents are taken in order and the
             last one is cut at a line boundary, so the total never exceeds it. The arithmetic domain stops at
             1 MB even under a larger budget. User files are never cut: their data is read in full.
-        seed: seeds the arithmetic problems; the other domains do not depend on it.
+        seed: seeds the arithmetic problems (`data.seed`); the other domains do not depend on it.
 
     Returns:
         The documents; a `files` domain that holds a single document is split into contiguous chunks at line

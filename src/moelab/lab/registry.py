@@ -40,12 +40,11 @@ from typing import Any
 import yaml
 
 from moelab import presets
-from moelab.config import ConfigError, RunConfig, from_dict, override
+from moelab.config import ConfigError, RunConfig, changed_fields, read_yaml
 from moelab.lab.ledger import DuplicateRecord, Ledger, Record, append, canonical_json, records
 
 __all__ = ["Prediction", "Spec", "Experiment", "read_spec_file", "parse_spec", "spec_hash", "resolve_run_config",
-           "register", "amend", "load_experiment", "experiment_ids", "check_unchanged", "spec_changes", "git_state",
-           "to_markdown"]
+           "register", "amend", "load_experiment", "experiment_ids", "check_unchanged", "git_state", "to_markdown"]
 
 REQUIRED = ("id", "title", "question", "hypothesis", "prediction", "owner")
 OPTIONAL = ("config", "ladder", "resources")
@@ -116,16 +115,7 @@ class Experiment:
 
 def read_spec_file(path: str | Path) -> dict:
     """The YAML mapping in `path`; ConfigError naming the file when it is missing or not YAML."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"spec file {path} does not exist; pass the path of an experiment spec YAML "
-                          "(e.g. experiments/demo-spec.yaml).")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"spec file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}.") from None
+    data = read_yaml(path, "spec", "pass the path of an experiment spec YAML (e.g. experiments/demo-spec.yaml)")
     if not isinstance(data, dict):
         raise ConfigError(f"spec file {path} must hold a YAML mapping, got {type(data).__name__}. {_SPEC_HELP}")
     return data
@@ -218,36 +208,9 @@ def parse_spec(data: dict, where: str) -> Spec:
 
 def resolve_run_config(spec: Spec) -> RunConfig:
     """The RunConfig of a `config:` spec: `preset` plus `overrides`, or a RunConfig mapping."""
-    config = spec.config
-    if config is None:
+    if spec.config is None:
         raise ConfigError(f"experiment {spec.id} has no config: it is a ladder spec.")
-    if "preset" not in config:
-        return from_dict(config)
-    extra = sorted(set(config) - {"preset", "overrides"})
-    if extra:
-        raise ConfigError(f"config.{extra[0]} cannot sit beside config.preset; put changes under "
-                          "config.overrides, e.g. overrides: {train.steps: 300}.")
-    overrides = config.get("overrides") or {}
-    if not isinstance(overrides, dict):
-        raise ConfigError(f"config.overrides={overrides!r} must map dotted fields to values, "
-                          "e.g. overrides: {train.steps: 300}.")
-    cfg = presets.get(config["preset"])
-    return override(cfg, {str(k): v for k, v in overrides.items()}) if overrides else cfg
-
-
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): data}
-
-
-def spec_changes(old: dict, new: dict) -> dict[str, list]:
-    """Fields whose value differs, as {dotted.field: [old, new]} (None where a side lacks the field)."""
-    a, b = _flatten(old), _flatten(new)
-    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    return presets.resolve(spec.config)
 
 
 def _spec_diff(old: dict, new: dict, name: str) -> str:
@@ -338,7 +301,7 @@ def amend(ledger: Ledger, exp_id: str, spec_path: str | Path, reason: str) -> Ex
         raise ConfigError(f"spec {spec_path} matches the version of {exp_id!r} in force "
                           f"(sha256 {experiment.spec_hash[:12]}...); there is nothing to amend.")
     body.update(previous_hash=experiment.spec_hash, reason=reason,
-                changes=spec_changes(experiment.spec_data, data),
+                changes=changed_fields(experiment.spec_data, data),
                 diff=_spec_diff(experiment.spec_data, data, spec_path.name))
     append(ledger, "amendment", exp_id, body)
     return load_experiment(ledger, exp_id)
@@ -350,7 +313,7 @@ def check_unchanged(experiment: Experiment, spec_path: str | Path) -> None:
     data = read_spec_file(spec_path)
     if spec_hash(data) == experiment.spec_hash:
         return
-    changed = ", ".join(spec_changes(experiment.spec_data, data)) or "formatting only"
+    changed = ", ".join(changed_fields(experiment.spec_data, data)) or "formatting only"
     raise ConfigError(
         f"spec {spec_path} was edited after {experiment.id!r} was registered (changed: {changed}); a registered "
         f"spec is immutable. Record the change first: `moelab lab amend {experiment.id} {spec_path} --reason "

@@ -88,7 +88,10 @@ __all__ = [
     "curve_losses",
     "fit_curve_law",
     "bootstrap_curve_law",
+    "NUM_BOOTSTRAP",
 ]
+
+NUM_BOOTSTRAP = 200  # refits behind a band: enough that the 2.5% / 97.5% quantiles rest on ~5 refits each
 
 # The L-BFGS-B stopping rule is relative to max(|f|, 1): with objectives far below 1 (a Huber sum at
 # delta = 1e-3 is ~1e-3 per point) the default ftol stops after a step or two. Besiroglu et al. 2024
@@ -586,7 +589,7 @@ def _variance_components(residuals: Sequence[np.ndarray], jacobian: np.ndarray) 
     return run_var, run_dof, checkpoint_var, max(round(checkpoint_dof), 1)
 
 
-def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = 200,
+def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = NUM_BOOTSTRAP,
                         seed: int = 0) -> CurveBootstrap:
     """Refit on `num_samples` two-level residual resamples, warm-started at `law`; estimate the run noise.
 

@@ -45,6 +45,7 @@ from scipy import signal, special
 
 from moelab.config import ConfigError, DataError
 from moelab.ladder.fit import (
+    NUM_BOOTSTRAP,
     CurveBootstrap,
     CurveLaw,
     EnvelopeFit,
@@ -254,7 +255,7 @@ def _format(value: float) -> str:
 
 
 def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str | Path, *,
-               num_bootstrap: int = 200, seed: int = 0) -> dict:
+               num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0) -> dict:
     """Fit the curve law on CURVES.csv, write PRED.csv for TARGET.csv, return a JSON-able summary.
 
     Every input is read and checked before anything is written, and PRED.csv appears atomically
@@ -262,7 +263,7 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     """
     if not (isinstance(num_bootstrap, int) and num_bootstrap >= _MIN_BOOTSTRAP):
         raise ConfigError(f"num_bootstrap={num_bootstrap!r} is invalid: must be an integer >= {_MIN_BOOTSTRAP} "
-                          "(200 is the default; the 95% band needs refits beyond its 2.5% tails).")
+                          f"({NUM_BOOTSTRAP} is the default; the 95% band needs refits beyond its 2.5% tails).")
     curves_path, target_path, out_path = Path(curves_path), Path(target_path), Path(out_path)
     curves = read_curves(curves_path)
     header, table = _load(target_path, TARGET_COLUMNS, "target")

@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -85,6 +86,7 @@ def _quiet_orbax():
             yield
         except BaseException:
             failed = True
+            _until_quiet(held)
             raise
         else:
             failed = False
@@ -96,6 +98,19 @@ def _quiet_orbax():
             if not failed:
                 held.seek(0)
                 os.write(2, held.read())
+
+
+def _until_quiet(held, settle_s: float = 0.5, most_s: float = 5.0) -> None:
+    """Wait until nothing more is printed for `settle_s` (at most `most_s`): a failed save's writes that
+    were still in flight report their own failure a little later, from TensorStore's threads."""
+    size, since, deadline = -1, time.monotonic(), time.monotonic() + most_s
+    while time.monotonic() < deadline:
+        now = os.fstat(held.fileno()).st_size
+        if now != size:
+            size, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            return
+        time.sleep(0.05)
 
 
 def _digest(step_dir: Path) -> dict[str, str]:

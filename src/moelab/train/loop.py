@@ -139,7 +139,7 @@ def evaluate(eval_step, params, router_bias, eval_sets: dict[str, list[np.ndarra
 
 def prepare_corpus(cfg: RunConfig) -> Corpus:
     """Load and tokenize the data; checks that the model's vocabulary holds the tokenizer's."""
-    corpus = build_corpus(cfg.data, seed=cfg.train.seed)
+    corpus = build_corpus(cfg.data)
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
