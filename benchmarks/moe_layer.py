@@ -17,9 +17,9 @@ Where the time goes, without a profiler:
 - `--grouped-variants`: `grouped` again with other Pallas tile sizes (`BMxBNxBKwWARPSsSTAGES`), reported
   as `grouped[...]`; the fastest is the one to make the default. Two suffixes undo one optimisation
   each, so the gap to the same tiles without it is what that optimisation buys: `-rows` launches row
-  blocks fastest (`gmm(rows_together=False)`), which re-reads rows from DRAM once per column tile;
-  `-unfused` gathers the expert-sorted rows into memory before the kernels (`grouped(fuse_gather=
-  False)`) instead of reading them from the tokens inside the gate and up kernels.
+  blocks fastest, which re-reads rows from DRAM once per column tile; `-unfused` gathers the
+  expert-sorted rows into memory before the kernels instead of reading them from the tokens inside
+  the gate and up kernels. Both variants are copies in `grouped_variants.py`, not library options.
 - `--breakdown`: for `capacity` and `grouped`, the same layer timed in parts: the router alone, the
   whole backend at expert width 16 (sorting, index maps and row moves with next to no matmul work),
   and the expert matmuls alone on ready-made buffers; plus the ideal batched matmul (every expert
@@ -37,7 +37,6 @@ Where the time goes, without a profiler:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -57,7 +56,8 @@ from moelab.model.router import route
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, however this file loads
+import grouped_variants  # noqa: E402
 from profile_summary import profile_call  # noqa: E402
 
 BACKENDS = ("capacity", "grouped", "ep", "dropless")
@@ -83,8 +83,8 @@ def useful_flops(tokens: int, topk: int, d: int, width: int) -> int:
 
 
 def parse_variant(text: str) -> dict:
-    """'128x256x64w8s3[-rows][-unfused]' -> `dispatch.grouped` keyword arguments: `tiles` (gmm's
-    block_m/n/k, num_warps, num_stages, rows_together) and `fuse_gather`."""
+    """'128x256x64w8s3[-rows][-unfused]' -> `grouped_variants.grouped` keyword arguments: `tiles` (gmm's
+    block_m/n/k, num_warps, num_stages, and rows_together) and `fuse_gather`."""
     match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(-rows)?(-unfused)?", text)
     if not match:
         raise SystemExit(f"--grouped-variants entry {text!r} is not BMxBNxBKwWARPSsSTAGES[-rows][-unfused], "
@@ -126,18 +126,15 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
     """Median seconds of one jitted forward + backward of the layer; with `profile`, its kernels too
     (after `on_timed(timing)`, so a profile that never finishes cannot cost the timing).
 
-    `backend_fn(h, routing, experts, capacity_factor)`, if given, replaces the configured backend
-    through `moe.apply`'s backend hook (how `grouped` runs with other tiles).
+    `backend_fn(h, routing, experts)`, if given, replaces the configured backend as `moe.apply`'s
+    `dispatch` (how `grouped` runs with other tiles); `ep` runs on a 1x1 mesh.
     """
-    if cfg.moe.dispatch == "ep":
-        backend_fn = backend_fn or ep.make_dispatch(mesh_lib.make_mesh(MeshConfig()), cfg.moe)
-    elif backend_fn is not None:
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="ep"))
+    dispatch = backend_fn or ep.make_dispatch(cfg.moe, mesh_lib.make_mesh(MeshConfig()))
     params, x, cot = _inputs(cfg, tokens)
     bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
 
     def loss(params, x):
-        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, backend_fn)
+        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch)
         return jnp.sum(y * cot), stats["dropped"] / stats["assignments"]
 
     layer = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -198,7 +195,7 @@ def breakdown(backend: str, args, flops: int) -> dict:
         parts["expert_matmuls"] = _time_matmuls(_swiglu_buffers, (args.experts, C, args.d), cfg, args.iters,
                                                 args.budget_s)
     else:
-        block_m = dispatch_lib.grouped_tiles(args.d, args.width, jax.default_backend() == "gpu")["block_m"]
+        block_m = grouped_matmul.default_tiles(args.d, args.width, jax.default_backend() == "gpu")["block_m"]
         counts = jnp.full((args.experts,), A // args.experts, jnp.int32).at[0].add(A % args.experts)
         _, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, block_m)
         parts["expert_matmuls"] = _time_matmuls(_swiglu_grouped, (M, args.d), cfg, args.iters, args.budget_s,
@@ -328,8 +325,7 @@ def main() -> None:
         result["backends"][backend] = _guarded(functools.partial(timed_layer, backend))
         save("running")
     for name, kwargs in grouped_args.items():
-        def fn(h, routing, experts, capacity_factor, kwargs=kwargs):
-            return dispatch_lib.grouped(h, routing, experts, **kwargs)
+        fn = functools.partial(grouped_variants.grouped, **kwargs)
         result["backends"][f"grouped[{name}]"] = _guarded(functools.partial(timed_layer, "grouped", fn))
         save("running")
     if args.breakdown:

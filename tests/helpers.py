@@ -1,6 +1,8 @@
 """Helpers shared by test modules (importable because pytest puts tests/ on sys.path for conftest.py)."""
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -19,6 +21,17 @@ def run_cli(args, monkeypatch, capsys):
     return code, captured.out, captured.err
 
 
+def load_benchmark(name: str):
+    """`benchmarks/NAME.py` as a module (the benchmarks are scripts, not a package), loaded once."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[key] = module
+    return sys.modules[key]
+
+
 def float_scatter_adds(jaxpr_text: str) -> list[str]:
     """Lines of a printed jaxpr that scatter-add floats (integer counting, e.g. bincount, is cheap)."""
     return [line.strip() for line in jaxpr_text.splitlines()
@@ -28,7 +41,7 @@ def float_scatter_adds(jaxpr_text: str) -> list[str]:
 def dispatch_gradient_jaxpr(dispatch_fn, cfg, num_tokens: int) -> str:
     """The printed jaxpr of d(sum of a dispatch's outputs) / d(rows, combine weights, expert weights), bf16.
 
-    `dispatch_fn(h, routing, experts, capacity_factor)` is a backend; the routing comes from `cfg`'s
+    `dispatch_fn(h, routing, experts)` is a backend from a `make_dispatch`; the routing comes from `cfg`'s
     router on random rows, so the gradient of the router itself (not dispatch's business) is left out.
     """
     import jax
@@ -43,7 +56,7 @@ def dispatch_gradient_jaxpr(dispatch_fn, cfg, num_tokens: int) -> str:
     experts = {name: params[name].astype(jnp.bfloat16) for name in ("w_gate", "w_up", "w_down")}
 
     def loss(h, weights, experts):
-        out, _ = dispatch_fn(h, routing._replace(weights=weights), experts, cfg.moe.capacity_factor)
+        out, _ = dispatch_fn(h, routing._replace(weights=weights), experts)
         return jnp.sum(out.astype(jnp.float32))
 
     grad = jax.grad(loss, argnums=(0, 1, 2))

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds, relative_error
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error
 from moelab.config import ConfigError, ModelConfig, MoEConfig
 from moelab.model import dispatch as dispatch_lib
-from moelab.model import moe, transformer
+from moelab.model import grouped_matmul, moe, transformer
 from moelab.model.router import route
 from moelab.model.rows import take_rows
 
@@ -23,6 +23,7 @@ BACKENDS = ("capacity", "dropless", "grouped")
 ROUTER_SCORES = ("sigmoid", "softmax")
 E, K = 4, 2  # experts, top-k
 B, S = 2, 8  # batch, sequence: T = 16 tokens per MoE layer
+grouped_variants = load_benchmark("grouped_variants")  # `grouped` without its fused gather, for comparison
 
 
 def _cfg(backend: str, router_score: str, latent: bool, shared: bool, capacity_factor: float = E / K) -> ModelConfig:
@@ -184,7 +185,7 @@ def test_capacity_drops_exactly_the_overflow_of_a_skewed_router(router_score):
     assert counts[0] > C, "the skew should overfill expert 0"
 
     experts = {name: params[name] for name in ("w_gate", "w_up", "w_down")}
-    out, stats = dispatch_lib.dispatch("capacity", x, routing, experts, cfg.moe.capacity_factor)
+    out, stats = dispatch_lib.make_dispatch(cfg.moe)(x, routing, experts)
     assert float(stats["dropped"]) == expected_dropped
     np.testing.assert_array_equal(stats["load"], counts.astype(np.float32))
     assert float(stats["assignments"]) == T * K
@@ -209,11 +210,8 @@ def test_capacity_output_equals_dense_with_dropped_assignments_zeroed(router_sco
 
 
 def test_dispatch_rejects_a_backend_it_does_not_know():
-    h = jnp.zeros((4, 8))
-    routing = route(h, jnp.zeros((8, E)), jnp.zeros((E,)), MoEConfig(num_experts=E, num_experts_per_token=K))
-    experts = {"w_gate": jnp.zeros((E, 8, 4)), "w_up": jnp.zeros((E, 8, 4)), "w_down": jnp.zeros((E, 4, 8))}
     with pytest.raises(ValueError, match="not a single-device backend"):
-        dispatch_lib.dispatch("ep", h, routing, experts, 1.0)
+        dispatch_lib.make_dispatch(MoEConfig(num_experts=E, num_experts_per_token=K, dispatch="ep"))
 
 
 def test_moe_layer_with_ep_dispatch_and_no_backend_raises_a_clear_error():
@@ -229,11 +227,11 @@ def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
     x = jax.random.normal(jax.random.key(1), (B * S, cfg.d_model))
     calls = []
 
-    def ep_dispatch(h, routing, experts, capacity_factor):
+    def ep_dispatch(h, routing, experts):
         calls.append(h.shape)
         return dispatch_lib.dropless(h, routing, experts)
 
-    y, _ = moe.apply(params, x, jnp.zeros((E,)), cfg, ep_dispatch=ep_dispatch)
+    y, _ = moe.apply(params, x, jnp.zeros((E,)), cfg, dispatch=ep_dispatch)
     ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"))
     assert calls == [(B * S, 16)]  # the latent-width rows
     assert relative_error(y, ref) < 1e-5
@@ -277,7 +275,7 @@ def test_take_rows_value_and_gradient_equal_plain_indexing(fan_out):
 def test_backward_pass_of_dispatch_has_no_float_scatter_add(backend):
     """Every row move is a `take_rows`, so the gradient gathers rows instead of scattering them with atomics."""
     cfg = _cfg(backend, "sigmoid", latent=False, shared=False)
-    text = dispatch_gradient_jaxpr(functools.partial(dispatch_lib.dispatch, backend), cfg, B * S)
+    text = dispatch_gradient_jaxpr(dispatch_lib.make_dispatch(cfg.moe), cfg, B * S)
     assert "gather" in text
     assert float_scatter_adds(text) == []
     # The check itself can fail: plain indexing does scatter-add in its gradient.
@@ -298,7 +296,7 @@ def test_grouped_layer_forward_and_backward_lower_to_triton_for_cuda(monkeypatch
         return jnp.sum(y)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert dispatch_lib.grouped_tiles(256, 128, on_gpu=True)["block_m"] == dispatch_lib.GPU_ROW_TILE
+    assert grouped_matmul.default_tiles(256, 128, on_gpu=True)["block_m"] == grouped_matmul.GPU_ROW_TILE
     disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exported = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["cuda"],
                                  disabled_checks=disabled)(params, x)
@@ -329,8 +327,9 @@ def _grouped_value_and_grads(backend_fn, h, routing, experts, cot):
 
 @pytest.mark.parametrize("fuse_gather", [True, False])
 def test_grouped_with_and_without_the_fused_gather_matches_dense(fuse_gather):
+    """The library's `grouped` (fused) and the benchmark's `-unfused` variant."""
     inputs = _grouped_layer_inputs(jnp.float32)
-    grads, out = _grouped_value_and_grads(functools.partial(dispatch_lib.grouped, fuse_gather=fuse_gather), *inputs)
+    grads, out = _grouped_value_and_grads(functools.partial(grouped_variants.grouped, fuse_gather=fuse_gather), *inputs)
     ref_grads, ref_out = _grouped_value_and_grads(dispatch_lib.dense, *inputs)
     assert relative_error(out, ref_out) < 1e-5
     _assert_trees_close(grads, ref_grads, f"grouped(fuse_gather={fuse_gather}) d out /")
@@ -341,7 +340,7 @@ def test_grouped_fused_gather_is_bit_identical_to_gathering_first_in_bfloat16():
     bf16, then sums each token's k readers in float32, as autodiff of the unfused path does."""
     inputs = _grouped_layer_inputs(jnp.bfloat16)
     fused = _grouped_value_and_grads(dispatch_lib.grouped, *inputs)
-    unfused = _grouped_value_and_grads(functools.partial(dispatch_lib.grouped, fuse_gather=False), *inputs)
+    unfused = _grouped_value_and_grads(functools.partial(grouped_variants.grouped, fuse_gather=False), *inputs)
     for got, want in zip(jax.tree.leaves(fused), jax.tree.leaves(unfused)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 

@@ -8,7 +8,6 @@ cold one (8 train steps to compile) about a minute on two idle cores.
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import re
 import os
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import load_benchmark
 from moelab import accounting, presets
 from moelab.model import transformer
 from moelab.train.state import init_state
@@ -31,17 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-mfu = _load("mfu")
-moe_layer = _load("moe_layer")
-profile_summary = _load("profile_summary")
-suite_table = _load("suite_table")
+mfu = load_benchmark("mfu")
+moe_layer = load_benchmark("moe_layer")
+profile_summary = load_benchmark("profile_summary")
+suite_table = load_benchmark("suite_table")
 
 MFU_KEYS = {"preset", "backend", "status", "step_time_s", "tokens_per_s", "flops_per_token", "model_flops_per_step",
             "mfu_datasheet", "mfu_measured_peak", "matmul_peak_flops", "peak_memory_bytes", "batch_size", "seq_len"}

@@ -302,3 +302,31 @@ def test_clean_tiny_training_run_raises_no_incident_and_a_bias_injection_afterwa
     assert clean == []  # no rule fires on a clean run: not the loss, not a param group, not the bias
     after = [(i.rule, i.module, i.step) for i in incidents if i.step >= onset]
     assert ("norm_spike", "router_bias", onset + 2) in after
+
+
+# ----------------------------------------------------------------------------------------------
+# skip_spikes: the train step drops the update of a step above the monitor's loss ceiling
+
+
+def test_skip_spikes_keeps_the_old_params_and_optimizer_state_above_the_ceiling_and_updates_below_it():
+    """One compiled step, two ceilings: 0 (below any cross-entropy) and 1e3 (far above tiny's ~log V)."""
+    run = override(presets.get("tiny"), {"monitor.skip_spikes": True})
+    corpus, train_step = prepare_corpus(run), make_train_step(run)
+    _, phase = phase_at(run.data, 0, run.train.steps)
+    tokens = jnp.asarray(sample_batch(corpus, phase.weights, run.train.seed, 0, run.train.batch_size,
+                                      run.model.seq_len).tokens)
+    before = jax.tree.map(np.array, init_state(run))  # host copies: the step donates its input's buffers
+
+    def same(a, b) -> list[bool]:
+        return [np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+
+    for ceiling, skipped in ((0.0, True), (1e3, False)):
+        state, metrics = train_step(init_state(run), tokens, jnp.float32(ceiling))
+        assert 0.0 < float(metrics["loss"]) < 1e3
+        assert float(metrics["skipped"]) == float(skipped)
+        if skipped:
+            assert all(same(state.params, before.params)) and all(same(state.opt_state, before.opt_state))
+        else:  # every parameter moves on the first AdamW step (lr > 0 from step 0), and the moments fill
+            assert not any(same(state.params, before.params))
+            assert not all(same(state.opt_state, before.opt_state))
+        assert int(state.step) == 1  # a skipped step still counts: the data cursor moves on

@@ -4,7 +4,6 @@ exactly what its pool and receiver rules say, trains like one device, and reject
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import shutil
 from collections.abc import Callable
@@ -17,7 +16,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds, relative_error, run_cli
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error, run_cli
 from moelab import presets
 from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_yaml, override
 from moelab.data.mixture import phase_at, sample_batch
@@ -76,8 +75,8 @@ def _ep_cfg(latent: bool, num_waves: int) -> ModelConfig:
     return _cfg("ep", latent, num_waves, capacity_factor=NO_DROPS, transport_capacity_factor=NO_DROPS)
 
 
-def _moe_objective(params, x, bias, cotangent, cfg, ep_dispatch):
-    y, stats = moe.apply(params, x, bias, cfg, ep_dispatch=ep_dispatch)
+def _moe_objective(params, x, bias, cotangent, cfg, dispatch):
+    y, stats = moe.apply(params, x, bias, cfg, dispatch=dispatch)
     # A random projection of the output: its gradient reaches every entry of y.
     return jnp.sum(y * cotangent), (y, stats)
 
@@ -113,7 +112,7 @@ def test_ep_moe_layer_matches_dense_in_output_and_every_gradient(mesh_name, num_
     cfg = _ep_cfg(latent, num_waves)
     params, x, bias, cot = _moe_inputs(latent)
     params = jax.device_put(params, mesh_lib.state_shardings(params, mesh))
-    (_, (y, stats)), grads = _moe_grad(params, x, bias, cot, cfg, ep.make_dispatch(mesh, cfg.moe))
+    (_, (y, stats)), grads = _moe_grad(params, x, bias, cot, cfg, ep.make_dispatch(cfg.moe, mesh))
     (_, (ref_y, ref_stats)), ref_grads = _reference(_moe_grad, _moe_inputs, latent)
 
     assert float(stats["dropped"]) == 0.0 and float(stats["kept"]) == B * S * K
@@ -128,13 +127,13 @@ def test_ep_backward_pass_has_no_float_scatter_add(num_waves):
     """Pools, receiver buffers and the un-pooling are `take_rows`, so the gradient gathers rows."""
     mesh = mesh_lib.make_mesh(MESHES["2x4"])
     cfg = _cfg("ep", latent=False, num_waves=num_waves)
-    text = dispatch_gradient_jaxpr(ep.make_dispatch(mesh, cfg.moe), cfg, B * S)
+    text = dispatch_gradient_jaxpr(ep.make_dispatch(cfg.moe, mesh), cfg, B * S)
     assert "all_to_all" in text
     assert float_scatter_adds(text) == []
 
 
-def _model_objective(params, tokens, bias, cotangent, cfg, ep_dispatch):
-    logits, aux = transformer.apply(params, tokens, cfg, bias, ep_dispatch=ep_dispatch)
+def _model_objective(params, tokens, bias, cotangent, cfg, dispatch):
+    logits, aux = transformer.apply(params, tokens, cfg, bias, dispatch=dispatch)
     # A random projection of the logits: its gradient reaches every parameter through every logit.
     return jnp.sum(logits * cotangent), (logits, aux)
 
@@ -164,7 +163,7 @@ def test_ep_model_matches_dense_in_logits_and_every_parameter_gradient(mesh_name
     params, tokens, bias, cot = _model_inputs(latent)
     params = jax.device_put(params, mesh_lib.state_shardings(params, mesh))
     tokens = jax.device_put(tokens, mesh_lib.batch_sharding(mesh))
-    (_, (logits, aux)), grads = _model_grad(params, tokens, bias, cot, cfg, ep.make_dispatch(mesh, cfg.moe))
+    (_, (logits, aux)), grads = _model_grad(params, tokens, bias, cot, cfg, ep.make_dispatch(cfg.moe, mesh))
     (_, (ref_logits, ref_aux)), ref_grads = _reference(_model_grad, _model_inputs, latent)
 
     assert float(aux["drop_fraction"]) == 0.0
@@ -235,7 +234,8 @@ def test_capacity_factor_one_with_a_skewed_router_drops_at_both_stages_exactly_a
     x, routing, experts = _skewed_layer()
     T = x.shape[0]
     out, stats = jax.jit(lambda x, routing, experts: ep.dispatch(
-        x, routing, experts, 1.0, mesh=mesh, transport_capacity_factor=1.0, num_waves=num_waves))(x, routing, experts)
+        x, routing, experts, mesh=mesh, capacity_factor=1.0, transport_capacity_factor=1.0, num_waves=num_waves)
+    )(x, routing, experts)
 
     per_device, shards = T // mesh_cfg.num_devices, mesh_cfg.expert
     pool = ep.pool_size(per_device, K, shards, E // shards, num_waves, 1.0)
@@ -498,18 +498,10 @@ def test_expert_sharded_mesh_without_the_ep_backend_is_rejected_by_name(tmp_path
 # all-to-all bytes from the compiled step
 
 
-def _comm_bytes_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "comm_bytes.py"
-    spec = importlib.util.spec_from_file_location("comm_bytes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_latent_moe_halves_all_to_all_bytes_and_waves_keep_the_total():
     """Counted in the compiled train step's HLO. Exactly the analytic count; the int32 expert ids add
     1 / (4 Din) to the row bytes, so latent / full width is 0.502 here, within 2% of 0.5."""
-    comm = _comm_bytes_module()
+    comm = load_benchmark("comm_bytes")
     cfg, mesh = comm.small_config(), MESHES["2x4"]
     variants = {(latent, w): comm._variant(cfg, mesh, latent, w) for latent, w in [(True, 1), (False, 1), (True, 3)]}
     counted = {key: comm.compiled_all_to_all_bytes(v) for key, v in variants.items()}

@@ -18,36 +18,40 @@ Every backend computes the same function (design §3):
 Rows move with `moelab.model.rows.take_rows`, a gather whose gradient is also a gather (each map is
 injective with a known inverse), so no backward pass pays for a float scatter-add.
 
-The expert-parallel backend lives in `moelab.parallel.ep`; `moelab.model.moe` picks a backend.
+`make_dispatch(cfg)` binds the named backend's settings (capacity_factor) once and returns the one
+callable `moelab.model.moe.apply` runs, `dispatch(h, routing, experts) -> (out, stats)`. The
+expert-parallel backend needs a mesh, so it lives in `moelab.parallel.ep`, whose
+`make_dispatch(cfg, mesh)` adds it to these.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from moelab.config import MoEConfig
 from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "EXPERT_MATMUL", "dense", "capacity", "dropless", "grouped", "dispatch", "expert_capacity", "grouped_tiles",
-           "grouped_swiglu", "swiglu_buffers"]
+__all__ = ["BACKENDS", "EXPERT_MATMUL", "Dispatch", "make_dispatch", "dense", "capacity", "dropless", "grouped",
+           "expert_capacity", "grouped_swiglu", "swiglu_buffers"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
 
-# `grouped`'s row tile on a GPU: 128 rows fill an H100/H200 MMA tile; the padding costs at most 127
-# rows per expert (E * 127 of T * k + E * 127, ~6% at 64 experts and 16k tokens top-8).
-GPU_ROW_TILE = 128
-GROUPED_MIN_TILE = 16  # Triton's smallest MMA dimension: `grouped` needs widths that are multiples of it
 # `grouped`'s kernel outputs carry this name, so a remat policy can keep them as it keeps XLA's dots
 # (`checkpoint_dots` sees only dot_general; a Pallas call would be recomputed in the backward pass).
 EXPERT_MATMUL = "expert_matmul"
 
 Experts = dict[str, jax.Array]  # w_gate [E, Din, F], w_up [E, Din, F], w_down [E, F, Din]
 Stats = dict[str, jax.Array]  # load [E], dropped [], assignments []
+# A backend with its settings bound: (h [T, Din], routing, experts) -> (out [T, Din], stats).
+Dispatch = Callable[[jax.Array, Routing, Experts], tuple[jax.Array, Stats]]
 
 
 def _stats(routing: Routing, num_experts: int, dropped: jax.Array) -> Stats:
@@ -192,39 +196,20 @@ def dropless(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Arra
     return _combine(take_rows(y, position, order), routing), _stats(routing, E, 0.0)
 
 
-def _largest_tile(dim: int, most: int) -> int:
-    """The largest power of two <= `most` that divides `dim` (at least GROUPED_MIN_TILE)."""
-    tile = most
-    while tile > GROUPED_MIN_TILE and dim % tile:
-        tile //= 2
-    return tile
-
-
-def grouped_tiles(k_dim: int, n_dim: int, on_gpu: bool) -> dict[str, int]:
-    """`gmm` tiles for a [rows, K] x [K, N] expert matmul: columns up to 128, contraction up to 64.
-
-    Widths must be multiples of 16 (`ModelConfig` checks this for `grouped`). Each matmul gets its own
-    (gate/up: K = Din, N = F; down: K = F, N = Din), so a narrow width does not shrink the other's
-    tiles. Off the GPU the row tile is 16: the interpreter pays per row of padding, not per program.
-    """
-    return {"block_m": GPU_ROW_TILE if on_gpu else GROUPED_MIN_TILE,
-            "block_n": _largest_tile(n_dim, 128), "block_k": _largest_tile(k_dim, 64)}
-
-
 def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, group_offsets: jax.Array,
                    tiles: dict[str, int] | None = None, gather: tuple[jax.Array, jax.Array] | None = None,
                    ) -> jax.Array:
     """Block-padded rows [M, Din] through their block's expert SwiGLU with the Pallas `gmm` -> [M, Din].
 
     With `gather` (`gmm`'s argument), `rows` are the source rows and the gate and up matmuls read the
-    block layout through it. `tiles` (all three matmuls) or, if None, `grouped_tiles` per matmul; the
+    block layout through it. `tiles` (all three matmuls) or, if None, `default_tiles` per matmul; the
     layout's block_m must match. Outputs are named `EXPERT_MATMUL` for the remat policy.
     """
     on_gpu = jax.default_backend() == "gpu"
 
     def gmm(x, w, gather=None):
         one = w[0] if isinstance(w, tuple) else w
-        w_tiles = tiles or grouped_tiles(one.shape[1], one.shape[2], on_gpu)
+        w_tiles = tiles or grouped_matmul.default_tiles(one.shape[1], one.shape[2], on_gpu)
         y = grouped_matmul.gmm(x, w, block_expert, group_offsets, gather=gather, **w_tiles)
         return checkpoint_name(y, EXPERT_MATMUL)
 
@@ -233,65 +218,66 @@ def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, g
     return gmm(jax.nn.silu(gate) * up, experts["w_down"])
 
 
-def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
-            fuse_gather: bool = True) -> tuple[jax.Array, Stats]:
+def _padded_rows(expert_idx: jax.Array, num_experts: int, block_m: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The T*k assignments in `grouped_matmul.padded_layout`'s block-padded layout, sorted by expert.
+
+    Returns:
+        assignment_row: [T*k] int32, the padded row of each assignment.
+        row_assignment: [M] int32, the assignment in each padded row; T*k for padding.
+        block_expert, group_offsets: the layout, for `gmm`.
+    """
+    order, _, counts = _sort_by_expert(expert_idx, num_experts)
+    A = expert_idx.size
+    row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, block_m)
+    assignment_row = jnp.zeros((A,), jnp.int32).at[order].set(row_of_sorted)
+    row_assignment = jnp.full((M,), A, jnp.int32).at[row_of_sorted].set(order)
+    return assignment_row, row_assignment, block_expert, group_offsets
+
+
+def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None
+            ) -> tuple[jax.Array, Stats]:
     """Dropless dispatch through the Pallas grouped GEMM over block-padded expert groups.
+
+    The gate and up kernels read each row from `h` through the layout's index (`gmm`'s `gather`), so
+    the [M, Din] expert-sorted copy of the rows (M ~ T k: k times h's bytes) is never written, read
+    back twice, or rebuilt for the backward pass (benchmarks/moe_layer.py's `-unfused` variant
+    measures what this saves).
 
     Args:
         h: [T, Din] expert inputs; Din and the expert width F multiples of 16.
         routing: chosen experts and combine weights.
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
         tiles: `gmm` keyword arguments (block_m/n/k, num_warps, num_stages) for all three matmuls;
-            None: `grouped_tiles` per matmul. The layer benchmark tries several on the GPU.
-        fuse_gather: the gate and up kernels read each row from `h` through the layout's index, so
-            the [M, Din] expert-sorted copy of the rows (M ~ T k: k times h's bytes) is never
-            written, read back twice, or rebuilt for the backward pass. False gathers it first
-            with `take_rows` (the layer benchmark's `-unfused` variant, to measure the difference).
+            None: `grouped_matmul.default_tiles` per matmul. The layer benchmark tries several on the GPU.
 
     Returns:
         out [T, Din] and stats (`dropped` = 0).
     """
-    T, k = routing.expert_idx.shape
+    k = routing.expert_idx.shape[1]
     E, Din, F = experts["w_gate"].shape
-    block_m = (tiles or grouped_tiles(Din, F, jax.default_backend() == "gpu"))["block_m"]
-    order, _, counts = _sort_by_expert(routing.expert_idx, E)
-    row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, T * k, block_m)
-    # The padded row of each assignment, and the assignment in each padded row (T k for padding).
-    assignment_row = jnp.zeros((T * k,), jnp.int32).at[order].set(row_of_sorted)
-    row_assignment = jnp.full((M,), T * k, jnp.int32).at[row_of_sorted].set(order)
-
-    if fuse_gather:
-        # Padding rows read row T, a zero row; nothing lists it as read, so its gradient is zero.
-        source = jnp.concatenate([h, jnp.zeros((1, Din), h.dtype)])
-        readers = jnp.concatenate([assignment_row, jnp.full((k,), M, jnp.int32)])
-        y = grouped_swiglu(source, experts, block_expert, group_offsets, tiles, gather=(row_assignment // k, readers))
-    else:
-        x = take_rows(h, row_assignment // k, assignment_row)  # [M, Din]; padding rows are zero
-        y = grouped_swiglu(x, experts, block_expert, group_offsets, tiles)  # [M, Din]
+    block_m = (tiles or grouped_matmul.default_tiles(Din, F, jax.default_backend() == "gpu"))["block_m"]
+    assignment_row, row_assignment, block_expert, group_offsets = _padded_rows(routing.expert_idx, E, block_m)
+    M = row_assignment.shape[0]
+    # Padding rows read row T, a zero row; nothing lists it as read, so its gradient is zero.
+    source = jnp.concatenate([h, jnp.zeros((1, Din), h.dtype)])
+    readers = jnp.concatenate([assignment_row, jnp.full((k,), M, jnp.int32)])
+    y = grouped_swiglu(source, experts, block_expert, group_offsets, tiles, gather=(row_assignment // k, readers))
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 
-def dispatch(
-    backend: str, h: jax.Array, routing: Routing, experts: Experts, capacity_factor: float
-) -> tuple[jax.Array, Stats]:
-    """Runs the routed experts with the named single-device backend.
+def make_dispatch(cfg: MoEConfig) -> Dispatch:
+    """`cfg.dispatch`'s single-device backend with its settings bound: `dispatch(h, routing, experts)`.
 
-    Args:
-        backend: one of `BACKENDS` ("dense", "capacity", "dropless", "grouped").
-        h: [T, Din] expert inputs.
-        routing: from `moelab.model.router.route`.
-        experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
-        capacity_factor: used by "capacity" only.
-
-    Returns:
-        out [T, Din] and stats: `load` [E], `dropped` [], `assignments` [] (float32).
+    Raises:
+        ValueError: `cfg.dispatch` is not one of `BACKENDS` (`ep` needs a mesh).
     """
-    if backend == "dense":
-        return dense(h, routing, experts)
-    if backend == "capacity":
-        return capacity(h, routing, experts, capacity_factor)
-    if backend == "dropless":
-        return dropless(h, routing, experts)
-    if backend == "grouped":
-        return grouped(h, routing, experts)
-    raise ValueError(f"dispatch backend {backend!r} is not a single-device backend; use one of {', '.join(BACKENDS)}.")
+    if cfg.dispatch == "capacity":
+        return functools.partial(capacity, capacity_factor=cfg.capacity_factor)
+    backends = {"dense": dense, "dropless": dropless, "grouped": grouped}
+    if cfg.dispatch not in backends:
+        raise ValueError(
+            f"model.moe.dispatch={cfg.dispatch!r} is not a single-device backend: build it for a mesh with "
+            f"moelab.parallel.ep.make_dispatch(cfg, mesh) and pass it as dispatch=..., or use one of {', '.join(BACKENDS)}."
+        )
+    return backends[cfg.dispatch]

@@ -9,7 +9,7 @@ block of `block_m` rows belongs to exactly one expert:
     block_expert    0            2             2           3          4 (= E: unused, output zeros)
     group_offsets [0, 1, 1, 3, 4]                                  (expert e owns blocks go[e] .. go[e+1])
 
-`padded_layout` builds this layout from per-expert counts. `gmm` is then a grid over (column tile, row
+`padded_layout` builds this layout from per-expert counts, `default_tiles` picks the tile sizes. `gmm` is then a grid over (column tile, row
 block); each program reads its expert id from `block_expert` and multiplies its rows by that expert's
 weight tile, accumulating in float32. The backward pass reuses the same kernel with the weight tile
 read transposed (dx = dy w[e]^T) and adds a second kernel over (K tile, N tile, expert) that sums
@@ -21,8 +21,9 @@ DRAM once, through L2; one expert's whole weight (a few MiB) stays in L2 across 
 row blocks fastest instead, a wave of programs spans hundreds of row blocks (over 100 MiB of rows at
 the issue's layer shape, against 60 MB of L2), so x is re-read from DRAM once per column tile: 8-32
 times per matmul, more bytes than the matmul's arithmetic can hide. `dw` likewise runs one expert's
-(K tile, N tile) programs together, so the expert's rows of x and dy are read once.
-`rows_together=False` keeps the old order (row blocks, in dw experts, fastest) as a benchmark variant.
+(K tile, N tile) programs together, so the expert's rows of x and dy are read once. The old order
+(row blocks, in dw experts, fastest) survives as a benchmark variant, `benchmarks/grouped_variants.py`:
+the kernel bodies take their tile ids as arguments, so only the launch grids differ there.
 
 The Triton backend cannot read array values in BlockSpec index maps (no scalar prefetch), so `w`, the
 integer arrays and, in the dw kernel, `x` and `dy` are passed whole and sliced inside the kernel with
@@ -44,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from moelab.model.rows import sum_readers
 
-__all__ = ["gmm", "gmm_reference", "padded_layout"]
+__all__ = ["GPU_ROW_TILE", "MIN_TILE", "default_tiles", "gmm", "gmm_reference", "padded_layout"]
 
 _NN = (((1,), (0,)), ((), ()))  # [m, c] x [c, o] -> [m, o]
 _NT = (((1,), (1,)), ((), ()))  # [m, c] x [o, c] -> [m, o]: the weight tile read transposed
@@ -52,8 +53,30 @@ _TN = (((0,), (0,)), ((), ()))  # [m, k] x [m, n] -> [k, n]: x^T dy
 # The Triton lowering computes element offsets in int32, so a larger operand would silently wrap.
 _MAX_ELEMENTS = 2**31 - 1
 # Triton tiles: the lowering rejects loads whose size is not a power of two, and tl.dot needs each
-# dimension >= 16 (the MMA instruction shape).
-_MIN_TILE = 16
+# dimension >= 16 (the MMA instruction shape), so `grouped` needs widths that are multiples of 16.
+MIN_TILE = 16
+# The row tile on a GPU: 128 rows fill an H100/H200 MMA tile; the padding costs at most 127 rows per
+# expert (E * 127 of T * k + E * 127, ~6% at 64 experts and 16k tokens top-8).
+GPU_ROW_TILE = 128
+
+
+def _largest_tile(dim: int, most: int) -> int:
+    """The largest power of two <= `most` that divides `dim` (at least MIN_TILE)."""
+    tile = most
+    while tile > MIN_TILE and dim % tile:
+        tile //= 2
+    return tile
+
+
+def default_tiles(k_dim: int, n_dim: int, on_gpu: bool) -> dict[str, int]:
+    """`gmm` tiles for a [rows, K] x [K, N] expert matmul: columns up to 128, contraction up to 64.
+
+    Widths must be multiples of 16 (`ModelConfig` checks this for `grouped`). Each matmul gets its own
+    (gate/up: K = Din, N = F; down: K = F, N = Din), so a narrow width does not shrink the other's
+    tiles. Off the GPU the row tile is 16: the interpreter pays per row of padding, not per program.
+    """
+    return {"block_m": GPU_ROW_TILE if on_gpu else MIN_TILE,
+            "block_n": _largest_tile(n_dim, 128), "block_k": _largest_tile(k_dim, 64)}
 
 
 def padded_layout(counts: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array, int]:
@@ -97,13 +120,13 @@ def gmm_reference(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Ar
     return y.reshape(x.shape[0], w.shape[2]).astype(x.dtype)
 
 
-def _block_kernel(*refs, num_experts: int, block_c: int, transpose_w: bool, rows_together: bool, gather: bool):
-    """One [bm, bo] tile of y = x_b @ W, W = w[e] ([C, O]) or w[e]^T (w[e] is [O, C]), e = block_expert[b].
+def _block_kernel(b, j, *refs, num_experts: int, block_c: int, transpose_w: bool, gather: bool):
+    """Tile j of row block b, [bm, bo], of y = x_b @ W, W = w[e] ([C, O]) or w[e]^T (w[e] is [O, C]),
+    e = block_expert[b].
 
     x_b is the b-th block of x's rows, or, with `gather`, the rows row_index[b-th block] of x.
     """
     block_expert_ref, *row_index_ref, x_ref, w_ref, y_ref = refs
-    b, j = _matmul_tile(pl.program_id(0), pl.program_id(1), rows_together)
     e = block_expert_ref[b]
     block_m, block_o = y_ref.shape
     cols = pl.ds(j * block_o, block_o)
@@ -131,57 +154,44 @@ def _block_kernel(*refs, num_experts: int, block_c: int, transpose_w: bool, rows
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def _matmul_tile(first, second, rows_together: bool):
-    """(row block, column tile) of the program with these grid ids; the first grid axis launches fastest."""
-    return (second, first) if rows_together else (first, second)
-
-
-def _block_matmul(x, w, block_expert, row_index=None, *, block_m, block_c, block_o, transpose_w, rows_together,
-                  compiler, interpret):
+def _block_matmul(x, w, block_expert, row_index=None, *, block_m, block_c, block_o, transpose_w, compiler, interpret):
     """[M, C] x (w [E, C, O] or, transposed, [E, O, C]) per row block -> [M, O] in x.dtype.
 
     With `row_index` [M], the M rows are x[row_index] (x is [R, C]), gathered inside the kernel.
+    The grid is (column tile, row block): a row block's column tiles launch together.
     """
     gather = row_index is not None
     num_rows, c_dim = row_index.shape[0] if gather else x.shape[0], x.shape[1]
     o_dim = w.shape[1] if transpose_w else w.shape[2]
-    kernel = functools.partial(_block_kernel, num_experts=w.shape[0], block_c=block_c, transpose_w=transpose_w,
-                               rows_together=rows_together, gather=gather)
-    row_blocks, col_tiles = num_rows // block_m, o_dim // block_o
 
-    def tile(first, second):
-        return _matmul_tile(first, second, rows_together)
+    def kernel(*refs):
+        _block_kernel(pl.program_id(1), pl.program_id(0), *refs, num_experts=w.shape[0], block_c=block_c,
+                      transpose_w=transpose_w, gather=gather)
 
     if gather:  # the index, and x whole: the kernel picks its rows
         rows_specs = [pl.BlockSpec(row_index.shape, lambda *g: (0,)), pl.BlockSpec(x.shape, lambda *g: (0, 0))]
     else:
-        rows_specs = [pl.BlockSpec((block_m, c_dim), lambda *g: (tile(*g)[0], 0))]
+        rows_specs = [pl.BlockSpec((block_m, c_dim), lambda j, b: (b, 0))]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, o_dim), x.dtype),
-        grid=(col_tiles, row_blocks) if rows_together else (row_blocks, col_tiles),
+        grid=(o_dim // block_o, num_rows // block_m),
         in_specs=[
             pl.BlockSpec(block_expert.shape, lambda *g: (0,)),
             *rows_specs,
             pl.BlockSpec(w.shape, lambda *g: (0, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((block_m, block_o), tile),
+        out_specs=pl.BlockSpec((block_m, block_o), lambda j, b: (b, j)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(**compiler),
         name="gmm_dx" if transpose_w else "gmm",
     )(block_expert, *([row_index] if gather else []), x, w)
 
 
-def _dw_tile(first, second, third, rows_together: bool):
-    """(expert, K tile, N tile) of the program with these grid ids; the first grid axis launches fastest."""
-    return (third, first, second) if rows_together else (first, second, third)
-
-
-def _dw_kernel(*refs, block_m: int, rows_together: bool, gather: bool):
-    """One [bk, bn] tile of dw[e] = sum over expert e's row blocks b of x_b^T dy_b (zeros if none);
+def _dw_kernel(e, i, j, *refs, block_m: int, gather: bool):
+    """Tile (i, j), [bk, bn], of dw[e] = sum over expert e's row blocks b of x_b^T dy_b (zeros if none);
     x_b gathered through row_index as in `_block_kernel`."""
     group_offsets_ref, *row_index_ref, x_ref, dy_ref, dw_ref = refs
-    e, i, j = _dw_tile(pl.program_id(0), pl.program_id(1), pl.program_id(2), rows_together)
     block_k, block_n = dw_ref.shape
 
     def accumulate(b, acc):
@@ -196,27 +206,28 @@ def _dw_kernel(*refs, block_m: int, rows_together: bool, gather: bool):
     dw_ref[...] = acc.astype(dw_ref.dtype)
 
 
-def _dw(x, dy, group_offsets, num_experts, row_index=None, *, block_m, block_n, block_k, rows_together, compiler,
-        interpret):
-    """dw [E, K, N] in x.dtype from x [M, K] (or x [R, K] read through row_index [M]) and dy [M, N]."""
+def _dw(x, dy, group_offsets, num_experts, row_index=None, *, block_m, block_n, block_k, compiler, interpret):
+    """dw [E, K, N] in x.dtype from x [M, K] (or x [R, K] read through row_index [M]) and dy [M, N].
+
+    The grid is (K tile, N tile, expert): an expert's tiles launch together.
+    """
     gather = row_index is not None
     k_dim, n_dim = x.shape[1], dy.shape[1]
-    tiles = (k_dim // block_k, n_dim // block_n)
 
-    def tile(*ids):
-        return _dw_tile(*ids, rows_together)
+    def kernel(*refs):
+        _dw_kernel(pl.program_id(2), pl.program_id(0), pl.program_id(1), *refs, block_m=block_m, gather=gather)
 
     return pl.pallas_call(
-        functools.partial(_dw_kernel, block_m=block_m, rows_together=rows_together, gather=gather),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((num_experts, k_dim, n_dim), x.dtype),
-        grid=(*tiles, num_experts) if rows_together else (num_experts, *tiles),
+        grid=(k_dim // block_k, n_dim // block_n, num_experts),
         in_specs=[
             pl.BlockSpec(group_offsets.shape, lambda *g: (0,)),
             *([pl.BlockSpec(row_index.shape, lambda *g: (0,))] if gather else []),
             pl.BlockSpec(x.shape, lambda *g: (0, 0)),
             pl.BlockSpec(dy.shape, lambda *g: (0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_k, block_n), tile),
+        out_specs=pl.BlockSpec((None, block_k, block_n), lambda i, j, e: (e, i, j)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(**compiler),
         name="gmm_dw",
@@ -232,47 +243,51 @@ class _Launch:
     block_k: int
     num_warps: int
     num_stages: int
-    rows_together: bool
     interpret: bool
 
     def kernel_args(self) -> dict:
-        return {"rows_together": self.rows_together, "interpret": self.interpret,
-                "compiler": {"num_warps": self.num_warps, "num_stages": self.num_stages}}
+        return {"interpret": self.interpret, "compiler": {"num_warps": self.num_warps, "num_stages": self.num_stages}}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch: _Launch):
-    """x times each weight of the tuple `ws`: a tuple of outputs."""
-    return tuple(_block_matmul(x, w, block_expert, row_index, block_m=launch.block_m, block_c=launch.block_k,
-                               block_o=launch.block_n, transpose_w=False, **launch.kernel_args()) for w in ws)
+def _differentiable(block_matmul, dw):
+    """The grouped matmul with its custom VJP, from the kernels' launchers: `block_matmul` runs the
+    forward and dx kernels, `dw` the weight-gradient kernel (`_block_matmul` and `_dw` here; the
+    benchmarks build the old launch order from their own)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+    def matmul(x, ws, block_expert, group_offsets, row_index, inverse, launch: _Launch):
+        """x times each weight of the tuple `ws`: a tuple of outputs."""
+        return tuple(block_matmul(x, w, block_expert, row_index, block_m=launch.block_m, block_c=launch.block_k,
+                                  block_o=launch.block_n, transpose_w=False, **launch.kernel_args()) for w in ws)
+
+    def forward(x, ws, block_expert, group_offsets, row_index, inverse, launch: _Launch):
+        ys = matmul(x, ws, block_expert, group_offsets, row_index, inverse, launch)
+        return ys, (x, ws, block_expert, group_offsets, row_index, inverse)
+
+    def backward(launch: _Launch, residuals, dys):
+        x, ws, block_expert, group_offsets, row_index, inverse = residuals
+        # dx contracts over N in block_n steps and writes block_k-wide column tiles of K, one row per
+        # block-layout row. The weights' terms add first, in x's dtype, as autodiff would add the
+        # gradients of separate matmuls; gathered rows are then summed into x's rows by their readers.
+        dx = functools.reduce(jnp.add, [
+            block_matmul(dy, w, block_expert, block_m=launch.block_m, block_c=launch.block_n,
+                         block_o=launch.block_k, transpose_w=True, **launch.kernel_args()) for w, dy in zip(ws, dys)])
+        if row_index is not None:
+            dx = sum_readers(dx, inverse, x.shape[0])
+        dws = tuple(dw(x, dy, group_offsets, w.shape[0], row_index, block_m=launch.block_m, block_n=launch.block_n,
+                       block_k=launch.block_k, **launch.kernel_args()) for w, dy in zip(ws, dys))
+        return dx, dws, None, None, None, None  # integer inputs: no cotangent
+
+    matmul.defvjp(forward, backward)
+    return matmul
 
 
-def _gmm_fwd(x, ws, block_expert, group_offsets, row_index, inverse, launch: _Launch):
-    ys = _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch)
-    return ys, (x, ws, block_expert, group_offsets, row_index, inverse)
-
-
-def _gmm_bwd(launch: _Launch, residuals, dys):
-    x, ws, block_expert, group_offsets, row_index, inverse = residuals
-    # dx contracts over N in block_n steps and writes block_k-wide column tiles of K, one row per
-    # block-layout row. The weights' terms add first, in x's dtype, as autodiff would add the
-    # gradients of separate matmuls; gathered rows are then summed into x's rows by their readers.
-    dx = functools.reduce(jnp.add, [
-        _block_matmul(dy, w, block_expert, block_m=launch.block_m, block_c=launch.block_n, block_o=launch.block_k,
-                      transpose_w=True, **launch.kernel_args()) for w, dy in zip(ws, dys)])
-    if row_index is not None:
-        dx = sum_readers(dx, inverse, x.shape[0])
-    dws = tuple(_dw(x, dy, group_offsets, w.shape[0], row_index, block_m=launch.block_m, block_n=launch.block_n,
-                    block_k=launch.block_k, **launch.kernel_args()) for w, dy in zip(ws, dys))
-    return dx, dws, None, None, None, None  # integer inputs: no cotangent
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm = _differentiable(_block_matmul, _dw)
 
 
 def _check_tile(name: str, tile: int, dim_name: str, dim: int) -> None:
-    if tile < _MIN_TILE or tile & (tile - 1):
-        raise ValueError(f"{name}={tile} must be a power of two >= {_MIN_TILE} (Triton tile); try 64 or 128.")
+    if tile < MIN_TILE or tile & (tile - 1):
+        raise ValueError(f"{name}={tile} must be a power of two >= {MIN_TILE} (Triton tile); try 64 or 128.")
     if dim % tile:
         raise ValueError(f"{dim_name}={dim} is not divisible by {name}={tile}; pick a {name} that divides {dim_name}.")
 
@@ -288,7 +303,6 @@ def gmm(
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
-    rows_together: bool = True,
     gather: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
@@ -308,8 +322,6 @@ def gmm(
         block_m, block_n, block_k: tile sizes; powers of two >= 16 dividing M, N and K.
         num_warps, num_stages: Triton's launch and software-pipelining depth (GPU only); the
             defaults fit 128 x 128 x 64 bf16 tiles in an H100/H200's shared memory.
-        rows_together: launch the programs that read the same rows together, so those rows come from
-            DRAM once (see the module docstring); False is the row-blocks-fastest order, for comparison.
         gather: (row_index [M], inverse [R * m]) fuses the dispatch gather into the kernels: x is
             then the [R, K] source (tokens) and row r of the block layout is x[row_index[r]], so the
             [M, K] rows never exist in memory. Indices past the last row read the last row (they are
@@ -360,6 +372,6 @@ def gmm(
     if gather is not None:  # a kernel's gathered load is unchecked: clamp, as jnp.take's default does
         row_index = jnp.minimum(row_index.astype(jnp.int32), x.shape[0] - 1)
         inverse = inverse.astype(jnp.int32)
-    launch = _Launch(block_m, block_n, block_k, num_warps, num_stages, rows_together, interpret)
+    launch = _Launch(block_m, block_n, block_k, num_warps, num_stages, interpret)
     ys = _gmm(x, ws, block_expert, group_offsets, row_index, inverse, launch)
     return ys if several else ys[0]

@@ -7,45 +7,22 @@ only the routed path runs at the latent width: rows are projected down and RMS-n
 dispatch, and the combined output is projected back up. Shared experts are dense SwiGLU MLPs on every
 token; the N of them are stored fused as one SwiGLU of width N * shared_dim, which is the same
 function with the same parameter count (the hidden units of the N MLPs are simply concatenated).
-
-Also home of `rms_norm`, which `transformer.py` imports from here (it imports this module, so the
-norm cannot live there without an import cycle).
+The routed experts run through one `dispatch` callable (`moelab.model.dispatch.make_dispatch`, or
+`moelab.parallel.ep.make_dispatch` on a mesh), whatever the backend.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
-from moelab.model import dispatch as dispatch_lib
 from moelab.model import router as router_lib
-from moelab.model.router import Routing, route
+from moelab.model.dispatch import Dispatch, make_dispatch
+from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
+from moelab.model.router import route
 
-__all__ = ["init", "apply", "rms_norm"]
-
-INIT_STD = 0.02
-
-# The expert-parallel backend's call: (h [T, Din], routing, experts, capacity_factor) -> (out, stats).
-EPDispatch = Callable[[jax.Array, Routing, dict, float], tuple[jax.Array, dict]]
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, statistics in float32.
-
-    Args:
-        x: [..., D] any float dtype.
-        scale: [D] learned gain.
-        eps: added to the mean square.
-
-    Returns:
-        [..., D] float32.
-    """
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+__all__ = ["init", "apply"]
 
 
 def init(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
@@ -59,9 +36,7 @@ def init(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
     """
     m = cfg.moe
     D, E, F, Din = cfg.d_model, m.num_experts, m.expert_dim, cfg.expert_input_dim
-    # Projections that write into the residual stream start smaller, so the stream's variance does not
-    # grow with depth (GPT-2's 1/sqrt(2L): each layer writes twice).
-    out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
+    out_std = residual_init_std(cfg.num_layers)
     keys = iter(jax.random.split(key, 10))
 
     def normal(shape, std=INIT_STD):
@@ -91,7 +66,7 @@ def apply(
     bias: jax.Array,
     cfg: ModelConfig,
     compute_dtype: jnp.dtype = jnp.float32,
-    ep_dispatch: EPDispatch | None = None,
+    dispatch: Dispatch | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs the MoE block on a flat batch of tokens.
 
@@ -99,10 +74,12 @@ def apply(
         params: from `init`.
         x: [T, D] normalized block input (float32; the router reads it as is).
         bias: [E] router balancing bias (state; no gradient flows into it).
-        cfg: the model config; `cfg.moe.dispatch` names the backend.
+        cfg: the model config.
         compute_dtype: dtype of the matmuls' inputs (float32 or bfloat16). The router and the latent
             norm's statistics stay float32.
-        ep_dispatch: the expert-parallel backend, required when `cfg.moe.dispatch == "ep"`.
+        dispatch: runs the routed experts, `dispatch(h, routing, experts) -> (out, stats)`, from a
+            `make_dispatch`; None: `moelab.model.dispatch.make_dispatch(cfg.moe)`, the single-device
+            backend `cfg.moe.dispatch` names (`ep` needs a mesh: pass `moelab.parallel.ep.make_dispatch`'s).
 
     Returns:
         y [T, D] float32 and stats: `load` [E], `dropped` [], `assignments` [], `entropy` [] (the
@@ -122,16 +99,7 @@ def apply(
         h = xc  # [T, D]
     experts = {name: cast(params[name]) for name in ("w_gate", "w_up", "w_down")}
 
-    if m.dispatch == "ep":
-        # Expert parallelism needs a mesh, so its backend lives in moelab.parallel.ep and is passed in.
-        if ep_dispatch is None:
-            raise ValueError(
-                "model.moe.dispatch='ep' needs the expert-parallel backend from moelab.parallel.ep; "
-                "pass it as ep_dispatch=..., or pick dispatch 'dense', 'capacity', 'dropless' or 'grouped' on one device."
-            )
-        routed, stats = ep_dispatch(h, routing, experts, m.capacity_factor)
-    else:
-        routed, stats = dispatch_lib.dispatch(m.dispatch, h, routing, experts, m.capacity_factor)
+    routed, stats = (dispatch or make_dispatch(m))(h, routing, experts)
 
     if m.latent_dim is not None:
         routed = jnp.einsum("tl,ld->td", cast(routed), cast(params["w_latent_up"]))

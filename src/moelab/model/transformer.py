@@ -14,7 +14,6 @@ changes the inputs of the matmuls. References: nanoGPT's model.py (layout), RoFo
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import jax
@@ -22,8 +21,8 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import moe
-from moelab.model.dispatch import EXPERT_MATMUL
-from moelab.model.moe import INIT_STD, EPDispatch, rms_norm
+from moelab.model.dispatch import EXPERT_MATMUL, Dispatch, make_dispatch
+from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
 
 __all__ = ["init", "init_router_bias", "apply", "loss", "attention", "causal_attention", "apply_rope"]
 
@@ -38,7 +37,7 @@ def _init_layer(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
     """One block's parameters (attention + MoE), before stacking."""
     D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
     k_q, k_k, k_v, k_o, k_moe = jax.random.split(key, 5)
-    out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)  # see moe.init
+    out_std = residual_init_std(cfg.num_layers)
     return {
         "attn_norm": jnp.ones((D,), jnp.float32),
         "w_q": INIT_STD * jax.random.normal(k_q, (D, N * H), jnp.float32),
@@ -163,7 +162,7 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
 def _block(
     cfg: ModelConfig,
     compute_dtype: jnp.dtype,
-    ep_dispatch: EPDispatch | None,
+    dispatch: Dispatch,
     x: jax.Array,
     layer_and_bias: tuple[dict[str, jax.Array], jax.Array],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -172,7 +171,7 @@ def _block(
     B, S, D = x.shape
     x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype)
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MoE sees a flat [T, D]
-    y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, ep_dispatch)
+    y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, dispatch)
     return x + y.reshape(B, S, D), stats
 
 
@@ -200,17 +199,18 @@ def apply(
     router_bias: jax.Array,
     compute_dtype: jnp.dtype = jnp.float32,
     *,
-    ep_dispatch: EPDispatch | None = None,
+    dispatch: Dispatch | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token logits.
 
     Args:
         params: from `init`.
         tokens: [B, S] int32.
-        cfg: the model config; `cfg.moe.dispatch` picks the dispatch backend.
+        cfg: the model config.
         router_bias: [L, E] from `init_router_bias` or a balancing rule.
         compute_dtype: jnp.float32 or jnp.bfloat16, for the matmuls only.
-        ep_dispatch: the expert-parallel backend (only with `cfg.moe.dispatch == "ep"`).
+        dispatch: the routed experts' backend (`moe.apply`); None: `make_dispatch(cfg.moe)`, the
+            single-device backend `cfg.moe.dispatch` names.
 
     Returns:
         logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L],
@@ -220,7 +220,7 @@ def apply(
         all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
-    block = _remat(functools.partial(_block, cfg, compute_dtype, ep_dispatch), cfg.remat)
+    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or make_dispatch(cfg.moe)), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = jnp.einsum(
@@ -250,7 +250,7 @@ def loss(
     router_bias: jax.Array,
     compute_dtype: jnp.dtype = jnp.float32,
     *,
-    ep_dispatch: EPDispatch | None = None,
+    dispatch: Dispatch | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross-entropy plus the optional z-loss and the balancing loss.
 
@@ -262,14 +262,14 @@ def loss(
     Args:
         params: from `init`.
         tokens: [B, S+1] int32; positions 0..S-1 are inputs, 1..S the targets.
-        cfg, router_bias, compute_dtype, ep_dispatch: as in `apply`.
+        cfg, router_bias, compute_dtype, dispatch: as in `apply`.
 
     Returns:
         The scalar loss and aux: `ce` [], `z_loss` [], `ce_per_row` [B] (mean CE of each sequence),
         plus everything in `apply`'s aux.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, ep_dispatch=ep_dispatch)
+    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, dispatch=dispatch)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
     ce_tok = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
     ce = jnp.mean(ce_tok)

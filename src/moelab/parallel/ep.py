@@ -27,7 +27,8 @@ instead of `jax.lax.ragged_all_to_all`, which does not run on CPU (design §6). 
 through the same all_to_alls (the op is linear; its transpose is the reverse exchange).
 
 With capacity large enough to drop nothing, the result equals `moelab.model.dispatch.dense` in
-outputs and gradients (tests/test_parallel.py).
+outputs and gradients (tests/test_parallel.py). `make_dispatch(cfg, mesh)` is the training code's one
+way to get a backend: this one bound to the mesh, or the single-device one `cfg.dispatch` names.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moelab.config import MoEConfig
-from moelab.model.dispatch import expert_capacity, swiglu_buffers
-from moelab.model.moe import EPDispatch
+from moelab.model import dispatch as dispatch_lib
+from moelab.model.dispatch import Dispatch, expert_capacity, swiglu_buffers
 from moelab.model.router import Routing, expert_load
 from moelab.model.rows import take_rows
 from moelab.parallel.mesh import BATCH_AXES
 
-__all__ = ["EPDispatch", "dispatch", "make_dispatch", "pool_size", "receiver_capacity", "receiver_slots"]
+__all__ = ["dispatch", "make_dispatch", "pool_size", "receiver_capacity", "receiver_slots"]
 
 Experts = dict[str, jax.Array]  # w_gate [E, Din, F], w_up [E, Din, F], w_down [E, F, Din]
 
@@ -208,8 +209,8 @@ def _local_dispatch(
 
 
 def dispatch(
-    h: jax.Array, routing: Routing, experts: Experts, capacity_factor: float, *,
-    mesh: Mesh, transport_capacity_factor: float, num_waves: int,
+    h: jax.Array, routing: Routing, experts: Experts, *,
+    mesh: Mesh, capacity_factor: float, transport_capacity_factor: float, num_waves: int,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs the routed experts expert-parallel over `mesh` (axes "replica", "expert").
 
@@ -219,8 +220,8 @@ def dispatch(
         routing: `expert_idx` [T, k] and combine `weights` [T, k], sharded like h.
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din], sharded over
             "expert" on E.
-        capacity_factor: receiver capacity, x the fair share of one expert in one wave (`receiver_capacity`).
         mesh: the ("replica", "expert") mesh; E and T must divide over it.
+        capacity_factor: receiver capacity, x the fair share of one expert in one wave (`receiver_capacity`).
         transport_capacity_factor: sender pool size, x the fair share of one shard in one wave (`pool_size`).
         num_waves: W static waves.
 
@@ -256,13 +257,17 @@ def dispatch(
     return out, stats
 
 
-def make_dispatch(mesh: Mesh, cfg: MoEConfig) -> EPDispatch:
-    """The `ep_dispatch` hook `moelab.model.moe.apply` calls: `dispatch` bound to a mesh and `cfg`'s
-    `num_waves` and transport capacity factor (which defaults to `capacity_factor`)."""
+def make_dispatch(cfg: MoEConfig, mesh: Mesh | None = None) -> Dispatch:
+    """`cfg.dispatch`'s backend with all its settings bound: `dispatch(h, routing, experts) -> (out, stats)`.
+
+    `ep` is `dispatch` bound to `mesh` and to `cfg`'s capacity factor, transport capacity factor
+    (None: the capacity factor) and `num_waves`; every other backend is
+    `moelab.model.dispatch.make_dispatch(cfg)`, which needs no mesh.
+    """
+    if cfg.dispatch != "ep":
+        return dispatch_lib.make_dispatch(cfg)
+    if mesh is None:
+        raise ValueError("model.moe.dispatch='ep' needs the ('replica', 'expert') mesh to run on: pass mesh=...")
     transport = cfg.transport_capacity_factor if cfg.transport_capacity_factor is not None else cfg.capacity_factor
-
-    def ep_dispatch(h, routing, experts, capacity_factor):
-        return dispatch(h, routing, experts, capacity_factor, mesh=mesh,
-                        transport_capacity_factor=transport, num_waves=cfg.num_waves)
-
-    return ep_dispatch
+    return functools.partial(dispatch, mesh=mesh, capacity_factor=cfg.capacity_factor,
+                             transport_capacity_factor=transport, num_waves=cfg.num_waves)

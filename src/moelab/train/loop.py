@@ -39,25 +39,22 @@ from moelab.config import ConfigError, Preempted, RunConfig, dump_yaml, load_yam
 from moelab.data.mixture import Corpus, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.lab import tracking
 from moelab.model import router, transformer
+from moelab.model.dispatch import Dispatch
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.checkpoint import Checkpointer, SaveFailed
 from moelab.train.monitor import Incident, Monitor, group_norms, router_bias_norms
 from moelab.train.schedule import learning_rate
-from moelab.train.state import TrainState, init_sharded_state, make_optimizer, state_shardings
+from moelab.train.state import TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings
 
 __all__ = ["Hooks", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus", "config_changes",
            "check_resumable", "train"]
 
-def compute_dtype(cfg: RunConfig) -> jnp.dtype:
-    return jnp.bfloat16 if cfg.train.compute_dtype == "bfloat16" else jnp.float32
-
-
-def _ep_dispatch(cfg: RunConfig, mesh: Mesh | None) -> ep.EPDispatch | None:
-    """The expert-parallel backend bound to `mesh` (built from `cfg.mesh` if None) under dispatch 'ep'."""
-    if cfg.model.moe.dispatch != "ep":
-        return None
-    return ep.make_dispatch(mesh if mesh is not None else mesh_lib.make_mesh(cfg.mesh), cfg.model.moe)
+def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
+    """`cfg.model.moe.dispatch`'s backend; `ep` runs on `mesh`, or on one built from `cfg.mesh` if None."""
+    if mesh is None and cfg.model.moe.dispatch == "ep":
+        mesh = mesh_lib.make_mesh(cfg.mesh)
+    return ep.make_dispatch(cfg.model.moe, mesh)
 
 
 def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
@@ -73,11 +70,11 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     schedule = learning_rate(cfg.train)
     dtype = compute_dtype(cfg)
     balancer = router.balancer(cfg.model.moe)
-    ep_dispatch = _ep_dispatch(cfg, mesh)
+    dispatch = _dispatch(cfg, mesh)
 
     def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
         def loss_fn(params):
-            return transformer.loss(params, tokens, cfg.model, state.router_bias, dtype, ep_dispatch=ep_dispatch)
+            return transformer.loss(params, tokens, cfg.model, state.router_bias, dtype, dispatch=dispatch)
 
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -115,10 +112,10 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
 def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """A jitted `eval(params, router_bias, tokens) -> mean CE per row [B]`."""
     dtype = compute_dtype(cfg)
-    ep_dispatch = _ep_dispatch(cfg, mesh)
+    dispatch = _dispatch(cfg, mesh)
 
     def eval_step(params, router_bias, tokens):
-        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, ep_dispatch=ep_dispatch)
+        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch)
         return aux["ce_per_row"]
 
     # Replicated, so every process can read it into numpy on a multi-host mesh.

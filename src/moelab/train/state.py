@@ -19,7 +19,7 @@ from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.schedule import learning_rate
 
-__all__ = ["TrainState", "make_optimizer", "init_state", "state_shardings", "init_sharded_state"]
+__all__ = ["TrainState", "compute_dtype", "make_optimizer", "init_state", "state_shardings", "init_sharded_state"]
 
 
 class TrainState(NamedTuple):
@@ -28,6 +28,11 @@ class TrainState(NamedTuple):
     router_bias: jax.Array  # [L, E] float32, balancing state outside the optimizer
     step: jax.Array  # int32 scalar: steps taken, and the data cursor
     router_load: jax.Array  # [L, E] float32, EMA of assignments per expert (router/maxvio_global)
+
+
+def compute_dtype(cfg: RunConfig) -> jnp.dtype:
+    """The dtype of the matmuls' inputs, `train.compute_dtype`; params and optimizer state stay float32."""
+    return jnp.dtype(cfg.train.compute_dtype)
 
 
 def _decay_mask(params: Any) -> Any:
