@@ -12,7 +12,8 @@ from helpers import assert_same_run, run_cli, train_args
 from moelab import presets
 from moelab.config import ConfigError, override
 from moelab._cli_utils import resolve_config
-from moelab.train.loop import _read_jsonl_until, train
+from moelab.train.loop import train
+from moelab.train.outputs import read_jsonl_until
 
 
 def _biggest_file(step_dir: Path) -> Path:
@@ -110,10 +111,10 @@ def test_a_fresh_run_rewrites_foreign_logs_and_an_out_that_is_a_file_is_refused(
 def test_resumed_logs_drop_a_torn_last_line_and_refuse_foreign_lines(tmp_path):
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "lo')  # killed mid-write
-    assert _read_jsonl_until(log, 2) == ['{"step": 1}', '{"step": 2}']
+    assert read_jsonl_until(log, 2) == ['{"step": 1}', '{"step": 2}']
     log.write_text('{"step": 1}\n{"note": "someone else\'s"}\n{"step": 3}\n')
     with pytest.raises(ConfigError, match=r"metrics.jsonl:2 is not a moelab log line"):
-        _read_jsonl_until(log, 2)
+        read_jsonl_until(log, 2)
 
 
 def test_retention_keeps_the_newest_k_and_every_mth(tmp_path):

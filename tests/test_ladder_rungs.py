@@ -10,11 +10,10 @@ from helpers import run_cli
 
 from moelab import accounting, presets
 from moelab.config import ConfigError, load_yaml, override
-from moelab.ladder.predict import OnTrack, load_prediction
+from moelab.ladder.predict import load_on_track
 from moelab.ladder.rungs import LadderRecipe, preset_recipe, rungs_of
 from moelab.presets import make_rung, scale_model, tokens_per_active_param
 from moelab.ladder.run import target_rows, write_csv
-from moelab.train.loop import _warn_if_predicted_for_another_run
 
 
 @pytest.mark.parametrize("d, layers", presets.FRONTIER_LADDER)
@@ -124,12 +123,12 @@ def test_ladder_run_trains_rungs_fits_and_predicts_the_target(tmp_path, monkeypa
     # target.yaml is the run the prediction is for: training it against the prediction raises no warning,
     # another length does.
     target = load_yaml(out / "target.yaml")
-    track = OnTrack(load_prediction(out / "prediction.csv"))
+    track = load_on_track(out / "prediction.csv")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_if_predicted_for_another_run(track, target, out / "prediction.csv")
-    with pytest.warns(UserWarning, match="predicts 60 steps, not 90: its band is for another run"):
-        _warn_if_predicted_for_another_run(track, override(target, {"train.steps": 90}), out / "prediction.csv")
+        track.check_run(target)
+    with pytest.warns(UserWarning, match="prediction.csv predicts 60 steps, not 90: its band is for another run"):
+        track.check_run(override(target, {"train.steps": 90}))
     # A second run reuses the finished rungs.
     mtime = (out / "rungs" / "ladder-d16-l1" / "summary.json").stat().st_mtime
     run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)

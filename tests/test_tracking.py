@@ -6,7 +6,7 @@ import pytest
 
 from moelab import presets
 from moelab.config import override
-from moelab.data.mixture import phase_at, realized_tokens, sample_batch
+from moelab.data.mixture import MixtureLog, change_message, phase_at, realized_tokens, sample_batch
 from moelab.lab import ledger as ledger_lib
 from moelab.lab import tracking
 from moelab.train.loop import prepare_corpus, train
@@ -140,13 +140,13 @@ def test_counts_rebuilt_for_a_resume_match_the_sampled_batches():
     """A checkpoint without `realized_tokens` is rebuilt from the phase schedule; the batches are the oracle."""
     cfg = override(_cfg(), {"train.batch_size": 7})  # 7 rows: the largest-remainder split is uneven
     corpus = prepare_corpus(cfg)
-    log = tracking.MixtureLog(cfg, corpus.domains)
+    log = MixtureLog(cfg, corpus.domains)
     for step in range(STEPS):
         log.before_step(step)
         batch = sample_batch(corpus, phase_at(cfg.data, step, STEPS)[1].weights, cfg.train.seed, step,
                              cfg.train.batch_size, cfg.model.seq_len)
         log.after_step(step + 1, batch)
-        rebuilt = tracking.MixtureLog(cfg, corpus.domains, start=step + 1)
+        rebuilt = MixtureLog(cfg, corpus.domains, start=step + 1)
         assert rebuilt.counts == log.counts, step
     assert sum(log.counts.values()) == STEPS * 7 * cfg.model.seq_len
 
@@ -155,11 +155,11 @@ def test_a_resume_publishes_no_second_initial_change():
     cfg = _cfg()
     kept = [{"step": 0, "kind": "change", "phase": "pretrain", "weights": dict(cfg.data.phases[0].weights),
              "message": "..."}]
-    log = tracking.MixtureLog(cfg, ("code", "prose", "arithmetic"), start=8, kept=kept)
+    log = MixtureLog(cfg, ("code", "prose", "arithmetic"), start=8, kept=kept)
     assert log.before_step(8) is None
     assert log.before_step(16)["message"].startswith("phase pretrain -> midtrain at step 16")
 
 
 def test_change_message_lists_only_changed_domains():
-    msg = tracking.change_message(("a", {"x": 0.5, "y": 0.5}), ("b", {"x": 0.5, "y": 0.25, "z": 0.25}), 240, 300)
+    msg = change_message(("a", {"x": 0.5, "y": 0.5}), ("b", {"x": 0.5, "y": 0.25, "z": 0.25}), 240, 300)
     assert msg == "phase a -> b at step 240 (80% of 300 steps): y 0.50 -> 0.25, z 0.00 -> 0.25"

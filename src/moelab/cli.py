@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional, Sequence
 
 import typer
 from rich.markup import escape
@@ -33,6 +33,9 @@ from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yam
 from moelab.lab.cli import lab_app
 from moelab.train.checkpoint import SaveFailed
 from moelab.ladder.cli import ladder_app
+
+if TYPE_CHECKING:
+    from moelab.train.loop import Watcher
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
 app.add_typer(lab_app, name="lab")
@@ -190,9 +193,15 @@ def train(
     initialize_distributed()  # before anything touches a device; a no-op for one process
     cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed,
                                                   "checkpoint.every": checkpoint_every, **_mesh_fields(mesh)})
-    if predicted is not None and not predicted.is_file():
-        raise ConfigError(f"--predicted {predicted} does not exist; write it with `moelab ladder run` or `ladder fit`.")
-    summary = run_training(cfg, out, predicted)
+    watchers = []
+    if predicted is not None:
+        if not predicted.is_file():
+            raise ConfigError(f"--predicted {predicted} does not exist; write it with `moelab ladder run` or "
+                              "`ladder fit`.")
+        from moelab.ladder.predict import load_on_track  # scipy: only when predictions are checked
+
+        watchers.append(load_on_track(predicted))
+    summary = run_training(cfg, out, watchers)
     if is_writer():  # every host returns the same summary; one prints it
         print(json.dumps(summary))
 
@@ -218,14 +227,14 @@ def _mesh_fields(spec: str | None) -> dict:
     return updates
 
 
-def run_training(cfg: RunConfig, out: Path, predicted: Path | None = None) -> dict:
+def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = ()) -> dict:
     """Train with a Rich progress bar on stderr (process 0's only, on a multi-host run)."""
     from moelab.parallel import mesh as mesh_lib
     from moelab.train.loop import train
 
     mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
     with training_progress(cfg) as hooks:
-        return train(cfg, out, hooks, predicted)
+        return train(cfg, out, hooks, watchers=watchers)
 
 
 class _StatusColumn(ProgressColumn):

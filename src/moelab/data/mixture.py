@@ -4,7 +4,8 @@
 documents, each followed by eos). `phase_at` says which phase, and so which domain weights, a step trains
 under. `sample_batch` draws a batch from those weights that depends only on (seed, step), so a resumed run
 reproduces the uninterrupted one; `eval_batches` gives fixed held-out windows; `unigram_entropy` is the loss a
-model that ignores context would reach, the bar a trained model must beat.
+model that ignores context would reach, the bar a trained model must beat. `MixtureLog` publishes the
+mixture as training goes (the run's `mixture_log.jsonl`).
 
     corpus = build_corpus(cfg.data)                  # generated content from data.seed, not train.seed
     _, phase = phase_at(cfg.data, step, cfg.train.steps)
@@ -14,21 +15,25 @@ model that ignores context would reach, the bar a trained model must beat.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from moelab.config import DataConfig, DataError, PhaseConfig
+from moelab.config import DataConfig, DataError, PhaseConfig, RunConfig
 from moelab.data.sources import load_documents
 from moelab.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "Batch",
     "Corpus",
+    "MixtureLog",
+    "SNAPSHOT_MAX_INTERVAL_S",
     "allocate_rows",
     "build_corpus",
+    "change_message",
     "eval_batches",
     "phase_at",
     "phase_boundaries",
@@ -244,3 +249,90 @@ def unigram_entropy(corpus: Corpus, domain: str | None = None) -> float:
     counts = np.bincount(np.concatenate(streams))
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# the mixture log
+
+SNAPSHOT_MAX_INTERVAL_S = 3600.0  # a slow run still publishes its realized mixture at least hourly
+
+
+def _fmt(weight: float) -> str:
+    return f"{weight:.2f}"
+
+
+def change_message(old: tuple[str, dict[str, float]] | None, new: tuple[str, dict[str, float]], step: int,
+                   total_steps: int) -> str:
+    """One line for a mixture change, e.g. "phase pretrain -> midtrain at step 240 (80% of 300 steps):
+    arithmetic 0.10 -> 0.50, code 0.45 -> 0.25, prose 0.45 -> 0.25"; `old` is None for the initial mixture."""
+    name, weights = new
+    if old is None:
+        listed = ", ".join(f"{d} {_fmt(w)}" for d, w in sorted(weights.items()))
+        return f"initial mixture: phase {name} at step {step} of {total_steps}: {listed}"
+    old_name, old_weights = old
+    domains = sorted(set(weights) | set(old_weights))
+    changed = [f"{d} {_fmt(old_weights.get(d, 0.0))} -> {_fmt(weights.get(d, 0.0))}" for d in domains
+               if old_weights.get(d, 0.0) != weights.get(d, 0.0)]
+    share = 100 * step / total_steps
+    return (f"phase {old_name} -> {name} at step {step} ({share:.0f}% of {total_steps} steps): "
+            f"{', '.join(changed) or 'weights unchanged'}")
+
+
+def _rebuild_counts(cfg: RunConfig, domains: Sequence[str], steps_done: int) -> dict[str, int]:
+    """Tokens per domain trained in steps 0..steps_done-1 under the current phase schedule."""
+    counts = np.zeros(len(domains), dtype=np.int64)
+    starts = phase_boundaries(cfg.data, cfg.train.steps) + [cfg.train.steps]
+    for phase, lo, hi in zip(cfg.data.phases, starts, starts[1:]):
+        num_steps = max(0, min(hi, steps_done) - lo)
+        if num_steps:
+            counts += num_steps * allocate_rows(phase.weights, domains, cfg.train.batch_size) * cfg.model.seq_len
+    return {d: int(n) for d, n in zip(domains, counts)}
+
+
+class MixtureLog:
+    """The mixture log's entries as training goes: changes of phase and snapshots of realized tokens.
+
+        {"step": 0, "kind": "change", "phase": "pretrain", "weights": {...}, "message": "initial mixture ..."}
+        {"step": 100, "kind": "snapshot", "tokens": {"code": 23040, ...}, "total": 51200}
+
+    A change at step s means steps s, s+1, ... train under the new weights. A snapshot at step s counts
+    the tokens trained on (targets: seq_len per row) in steps 0..s-1 per domain, so `total` is exactly
+    s * batch_size * seq_len. The loop calls `before_step(step)` (a change entry or None),
+    `after_step(done, batch)` (a snapshot entry when one is due, or None) and `snapshot(done)` (one now,
+    e.g. at the end). `counts` go into the checkpoint's meta as `realized_tokens`, so a resume continues
+    them even if `train.steps` changed (which moves phase boundaries of the steps to come, not of the
+    steps already trained); without them (`counts=None`) they are rebuilt from the phase schedule, which
+    is what `sample_batch` allocates rows by (`allocate_rows` depends only on the weights, not the seed).
+    """
+
+    def __init__(self, cfg: RunConfig, domains: Sequence[str], start: int = 0,
+                 counts: dict[str, int] | None = None, kept: Sequence[dict] = ()):
+        self.cfg, self.domains = cfg, tuple(domains)
+        self.counts = dict(counts) if counts is not None else _rebuild_counts(cfg, self.domains, start)
+        changes = [e for e in kept if e["kind"] == "change"]
+        # The mixture in force before `start`: the last published change, so a resume whose new
+        # `train.steps` moves a phase boundary publishes the switch where it now happens.
+        self._current = (changes[-1]["phase"], changes[-1]["weights"]) if changes else None
+        self._last_snapshot = time.monotonic()
+
+    def before_step(self, step: int) -> dict | None:
+        _, phase = phase_at(self.cfg.data, step, self.cfg.train.steps)
+        new = (phase.name, dict(phase.weights))
+        if self._current == new:
+            return None
+        message = change_message(self._current, new, step, self.cfg.train.steps)
+        self._current = new
+        return {"step": step, "kind": "change", "phase": phase.name, "weights": new[1], "message": message}
+
+    def after_step(self, done: int, batch: Batch) -> dict | None:
+        for domain, n in realized_tokens(batch, self.domains).items():
+            self.counts[domain] = self.counts.get(domain, 0) + n
+        every = self.cfg.train.mixture_snapshot_every
+        if done % every == 0 or time.monotonic() - self._last_snapshot >= SNAPSHOT_MAX_INTERVAL_S:
+            return self.snapshot(done)
+        return None
+
+    def snapshot(self, done: int) -> dict:
+        self._last_snapshot = time.monotonic()
+        tokens = {d: int(self.counts.get(d, 0)) for d in self.domains}
+        return {"step": done, "kind": "snapshot", "tokens": tokens, "total": sum(tokens.values())}

@@ -59,6 +59,7 @@ from typing import Any, Callable, Mapping
 from moelab.config import ConfigError, Preempted, RunConfig, from_dict, load_yaml, to_dict
 from moelab.lab.ledger import Ledger, append, canonical_json, check_chain
 from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
+from moelab.train.outputs import CONFIG, Sink
 
 __all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
            "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan", "execute",
@@ -487,21 +488,24 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
 def run_training(ctx: StepContext) -> dict:
     """Step function: train the RunConfig in `ctx.config` into the step's directory; returns the summary."""
     from moelab.lab import tracking  # JAX loads only when a training step runs
-    from moelab.train.loop import train
+    from moelab.train.loop import Watcher, train
 
     cfg = from_dict({**ctx.config["run"], "name": ctx.config["name"]})
-    sinks: list[tracking.Sink] = []
+    sinks: list[Sink] = []
     if ctx.config.get("ledger"):  # a registered experiment's run: metrics, mixture, samples on its ledger
         sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
         if tracking.wandb_available():
             sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
-    predicted = None
+    watchers: list[Watcher] = []
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
+        from moelab.ladder.predict import load_on_track
+
         predicted = ctx.output_dir / "prediction.csv"
         shutil.copyfile(ctx.deps[ctx.config["predicted_by"]] / "prediction.csv", predicted)
+        watchers.append(load_on_track(predicted))
     progress = _training_progress or (lambda cfg: contextlib.nullcontext(None))
     with progress(cfg) as hooks:
-        return train(cfg, ctx.output_dir, hooks, predicted=predicted, sinks=sinks)
+        return train(cfg, ctx.output_dir, hooks, sinks=sinks, watchers=watchers)
 
 
 # How a training step shows its progress in this process: set by the command line for the local
@@ -537,7 +541,7 @@ def fit_ladder(ctx: StepContext) -> dict:
     """Step function: fit the curve law on the rung steps' evals and predict the target (`ladder.run`)."""
     from moelab.ladder.run import fit_and_predict
 
-    rungs = [(load_yaml(ctx.deps[name] / "config.yaml"), ctx.deps[name]) for name in ctx.config["rungs"]]
+    rungs = [(load_yaml(ctx.deps[name] / CONFIG), ctx.deps[name]) for name in ctx.config["rungs"]]
     target = from_dict(ctx.config["target"])
     return fit_and_predict(rungs, target, ctx.output_dir, num_bootstrap=ctx.config["bootstrap"])
 

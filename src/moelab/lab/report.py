@@ -36,6 +36,7 @@ import numpy as np
 from moelab.config import ConfigError
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import Experiment, Prediction, load_experiment
+from moelab.train.outputs import CONFIG, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl, read_summary
 
 __all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "find_run_dir", "router_load_heatmap",
            "Section", "build_sections", "render_html", "render_markdown", "write_report"]
@@ -72,12 +73,6 @@ def verdict(prediction: Prediction, value: float | None) -> str:
 # reading a run
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def find_run_dir(experiment: Experiment) -> tuple[Path, dict]:
     """The training step's output directory of the newest finished run, and that ledger record's body."""
     finished = [r for r in experiment.runs if r.body.get("step") == TRAIN_STEP
@@ -93,8 +88,8 @@ def find_run_dir(experiment: Experiment) -> tuple[Path, dict]:
                           f"run it first with `moelab lab run {experiment.id}`.")
     body = finished[-1].body
     out = Path(body["output_dir"])
-    if not (out / "metrics.jsonl").is_file():
-        raise ConfigError(f"experiment {experiment.id!r} ran into {out}, but {out / 'metrics.jsonl'} is missing; "
+    if not (out / METRICS).is_file():
+        raise ConfigError(f"experiment {experiment.id!r} ran into {out}, but {out / METRICS} is missing; "
                           "was the directory moved or deleted? Re-run with `moelab lab run`.")
     return out, body
 
@@ -127,7 +122,7 @@ def _read_prediction(out: Path, run_body: dict) -> tuple[Path | None, dict[str, 
 
 
 def _read_router_load(out: Path) -> tuple[int | None, np.ndarray | None]:
-    rows = _read_jsonl(out / "router_load.jsonl")
+    rows = read_jsonl(out / ROUTER_LOAD)
     if rows:
         return rows[-1].get("step"), np.asarray(rows[-1]["load"], dtype=np.float64)
     if (out / "router_load.npy").is_file():
@@ -282,9 +277,9 @@ def _per_domain(metrics: list[dict], summary: dict) -> Section:
 
 def _mixture(out: Path) -> Section:
     sec = Section("mixture", "Data mixture")
-    rows = _read_jsonl(out / "mixture_log.jsonl")
+    rows = read_jsonl(out / MIXTURE_LOG)
     if not rows:
-        sec.note(f"No mixture log: {out / 'mixture_log.jsonl'} does not exist (or is empty) for this run.")
+        sec.note(f"No mixture log: {out / MIXTURE_LOG} does not exist (or is empty) for this run.")
         return sec
     snapshots = [r for r in rows if r.get("kind") == "snapshot" and r.get("tokens")]
     changes = [r for r in rows if r.get("kind") == "change"]
@@ -307,7 +302,7 @@ def _router(metrics: list[dict], out: Path) -> Section:
     if load is not None:
         sec.img("router_load", router_load_heatmap(load, step))
     else:
-        sec.note(f"No per-layer router load: {out / 'router_load.jsonl'} is absent, so there is no heatmap.")
+        sec.note(f"No per-layer router load: {out / ROUTER_LOAD} is absent, so there is no heatmap.")
     series = {k: _series(metrics, k) for k in ("router/maxvio", "router/maxvio_global")}
     series = {k: v for k, v in series.items() if v[0]}
     if series:
@@ -330,7 +325,7 @@ def _norms_incidents(metrics: list[dict], out: Path) -> Section:
         sec.img("norms_other", _line_plot({k: _series(metrics, k) for k in other}, "other norms", "L2 norm"))
     if not keys:
         sec.note("The run logged no norm/* metrics.")
-    incidents = _read_jsonl(out / "incidents.jsonl")
+    incidents = read_jsonl(out / INCIDENTS)
     seen = {json.dumps(i, sort_keys=True) for i in incidents}
     for row in metrics:  # incidents carried inside metrics records, if the loop logs them there
         for i in row.get("incidents", []) if isinstance(row.get("incidents"), list) else []:
@@ -366,9 +361,9 @@ def _printable(text: str | None) -> str | None:
 
 def _samples(out: Path) -> Section:
     sec = Section("samples", "Samples")
-    rows = _read_jsonl(out / "samples.jsonl")
+    rows = read_jsonl(out / SAMPLES)
     if not rows:
-        sec.note(f"No samples: {out / 'samples.jsonl'} does not exist (or is empty) for this run.")
+        sec.note(f"No samples: {out / SAMPLES} does not exist (or is empty) for this run.")
         return sec
     steps = sorted({r["step"] for r in rows})
     shown = sorted({steps[0], steps[len(steps) // 2], steps[-1]})[:MAX_SAMPLE_EVALS]
@@ -395,7 +390,7 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
         ["git commit of the run", commit],
         ["spec sha256", run_body.get("spec_hash") or experiment.spec_hash],
         ["step version (config hash)", run_body.get("version")],
-        ["config.yaml sha256", _sha256_file(out / "config.yaml")],
+        [f"{CONFIG} sha256", _sha256_file(out / CONFIG)],
         ["output directory", str(out)],
         ["preempted, then resumed from the checkpoint at", ", ".join(stops) or "never (one uninterrupted run)"],
         ["ledger", str(ledger.path)],
@@ -404,7 +399,7 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
     ])
     sec.pre(f"moelab lab run {experiment.id} --ledger {ledger.path}\n"
             f"# the training step it runs, with the resolved config:\n"
-            f"moelab train {out / 'config.yaml'} --out {out}\n"
+            f"moelab train {out / CONFIG} --out {out}\n"
             f"# the ledger still holds every record this report read (fails if rows were cut off or rewritten):\n"
             f"moelab lab verify --ledger {ledger.path} --head {chain.head_hash}")
     return sec
@@ -414,8 +409,7 @@ def experiment_verdict(ledger: Ledger, exp_id: str) -> tuple[str, float | None]:
     """(verdict, observed value) of a run experiment's prediction: what the report's first section states."""
     experiment = load_experiment(ledger, exp_id)
     out, _ = find_run_dir(experiment)
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
-    value, _ = _final_value(_read_jsonl(out / "metrics.jsonl"), summary, experiment.spec.prediction.metric)
+    value, _ = _final_value(read_jsonl(out / METRICS), read_summary(out), experiment.spec.prediction.metric)
     return verdict(experiment.spec.prediction, value), value
 
 
@@ -423,8 +417,7 @@ def build_sections(ledger: Ledger, exp_id: str) -> tuple[Experiment, Path, list[
     """The experiment, its run directory and the report's sections, in `SECTION_IDS` order."""
     experiment = load_experiment(ledger, exp_id)
     out, run_body = find_run_dir(experiment)
-    metrics = _read_jsonl(out / "metrics.jsonl")
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    metrics, summary = read_jsonl(out / METRICS), read_summary(out)
     sections = [_hypothesis(experiment, metrics, summary), _loss_curve(metrics, out, run_body),
                 _per_domain(metrics, summary), _mixture(out), _router(metrics, out), _norms_incidents(metrics, out),
                 _amendments(experiment), _samples(out), _reproducibility(experiment, out, run_body, ledger)]

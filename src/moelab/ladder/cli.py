@@ -18,6 +18,7 @@ from rich.table import Table
 from moelab import presets
 from moelab._cli_utils import JsonOpt, PresetOpt, out_console
 from moelab.config import ConfigError, DataError, load_yaml
+from moelab.train.outputs import CONFIG, read_summary
 
 ladder_app = typer.Typer(no_args_is_help=True, add_completion=False,
                          help="Scaling ladder: rungs of one recipe, a fitted law, predictions of the target.")
@@ -106,9 +107,9 @@ def _final_points(ladder_dir: Path) -> list[tuple[str, float, float]]:
 
     points = []
     for run_dir in sorted((ladder_dir / "rungs").glob("*")):
-        if (run_dir / "summary.json").is_file():
-            cfg = load_yaml(run_dir / "config.yaml")
-            summary = json.loads((run_dir / "summary.json").read_text())
+        summary = read_summary(run_dir)
+        if summary:
+            cfg = load_yaml(run_dir / CONFIG)
             points.append((cfg.name, summarize(cfg)["train_flops"], summary["eval_mean"]))
     if len(points) < 2:
         raise DataError(f"{ladder_dir} holds {len(points)} finished rungs under rungs/; a comparison needs at "

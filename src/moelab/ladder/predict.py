@@ -12,12 +12,9 @@ one run have strictly increasing steps; the LR is taken as linear between rows, 
 end of warmup and at each schedule break (or at every logged step). Extra columns are ignored and
 carried into PRED.csv. A band value is "nan" where the law says nothing (no tokens trained yet).
 
-In the training loop:
+Watching a run (`OnTrack` is a watcher of `moelab.train.loop.train`):
 
-    track = OnTrack(load_prediction("PRED.csv"))
-    check = track.check(step, eval_loss)
-    if check.opens_incident:
-        incidents.append(Incident(check.step, check.rule, "loss", check.values))
+    train(cfg, out, watchers=[load_on_track("PRED.csv")])  # `on_track` per eval, off_track incidents
 
 Bands: the predictive distribution at a row is an equal-weight mixture over the bootstrap refits,
 each refit's prediction plus the new run's own noise, run_sd * t(run_dof) + checkpoint_sd *
@@ -36,6 +33,7 @@ import csv
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -43,7 +41,8 @@ from typing import Sequence
 import numpy as np
 from scipy import signal, special
 
-from moelab.config import ConfigError, DataError
+from moelab.accounting import count_params
+from moelab.config import ConfigError, DataError, RunConfig
 from moelab.ladder.fit import (
     NUM_BOOTSTRAP,
     CurveBootstrap,
@@ -70,6 +69,7 @@ __all__ = [
     "load_prediction",
     "TrackCheck",
     "OnTrack",
+    "load_on_track",
     "compute_equivalent_speedup",
 ]
 
@@ -331,9 +331,13 @@ class OnTrack:
     band, and a later pair of misses opens a new one. Warmup steps (before the planned LR first
     reaches its peak) and steps beyond the prediction's range are not checked: the law says nothing
     there. A non-finite loss counts as outside.
+
+    As a watcher of `moelab.train.loop.train`, it warns before training if the prediction is for
+    another run (`check_run`), and gives each eval's record its `on_track` state and, when the run
+    goes off track, an `off_track` incident (`watch`). `source` names the prediction in the warning.
     """
 
-    def __init__(self, pred_rows: Sequence[dict], run: str | None = None):
+    def __init__(self, pred_rows: Sequence[dict], run: str | None = None, source: str = "the prediction"):
         names = list(dict.fromkeys(row["run"] for row in pred_rows))
         if not names:
             raise DataError("the prediction has no rows; run `moelab ladder fit` to write PRED.csv first.")
@@ -345,7 +349,7 @@ class OnTrack:
         rows = [row for row in pred_rows if row["run"] == run]
         planned = Run(run, rows[0]["params"], [r["step"] for r in rows], [r["tokens"] for r in rows],
                       [r["lr"] for r in rows])
-        self.run = run
+        self.run, self.source = run, source
         self.params, self.last_step = rows[0]["params"], int(max(r["step"] for r in rows))  # the planned run
         self._steps = planned.steps
         self._band = {k: np.array([r[k] for r in rows]) for k in ("loss_pred", "lo95", "hi95")}
@@ -367,6 +371,30 @@ class OnTrack:
         self._misses += 1
         off = self._misses >= OFF_TRACK_AFTER
         return TrackCheck(step, "off_track" if off else "outside", self._misses == OFF_TRACK_AFTER, values)
+
+    def check_run(self, cfg: RunConfig) -> None:
+        """A prediction is for one planned run: another name, size or length makes its band meaningless."""
+        mismatches, active = [], count_params(cfg.model).active
+        if self.run != cfg.name:
+            mismatches.append(f"run {self.run!r}, not {cfg.name!r}")
+        if self.params and abs(self.params / active - 1) > 0.01:
+            mismatches.append(f"{self.params:,.0f} active parameters, not {active:,}")
+        if self.last_step != cfg.train.steps:
+            mismatches.append(f"{self.last_step} steps, not {cfg.train.steps}")
+        if mismatches:  # stacklevel 3: the caller of `train`, which calls this
+            warnings.warn(f"{self.source} predicts {'; '.join(mismatches)}: its band is for another run. Train "
+                          "the ladder's target.yaml against it, or refit the ladder for this run.", stacklevel=3)
+
+    def watch(self, step: int, eval_mean: float) -> tuple[dict, list[dict]]:
+        """One eval as the training loop sees it: {"on_track": state}, and the off_track incident it opens."""
+        check = self.check(step, eval_mean)
+        incidents = [{"rule": check.rule, "module": "loss", "values": check.values}] if check.opens_incident else []
+        return {"on_track": check.state}, incidents
+
+
+def load_on_track(path: str | Path) -> OnTrack:
+    """The on-track watcher of PRED.csv's run (its only one)."""
+    return OnTrack(load_prediction(path), source=str(path))
 
 
 def compute_equivalent_speedup(baseline_fit: EnvelopeFit, candidate_loss: float, candidate_compute: float) -> float:

@@ -25,6 +25,7 @@ from typing import Callable
 from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
 from moelab.ladder.rungs import EVALS_PER_RUN, LadderRecipe, check_monotone, rungs_of
+from moelab.train.outputs import METRICS, SUMMARY, read_jsonl
 
 __all__ = ["curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder", "target_config"]
 
@@ -35,8 +36,7 @@ def curve_rows(cfg: RunConfig, run_dir: Path) -> list[dict]:
     """One CURVES.csv row per eval record of a finished run."""
     params = count_params(cfg.model).active
     rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_jsonl(run_dir / METRICS):
         if CURVE_LOSS in record:
             rows.append({"run": cfg.name, "params": params, "step": record["step"], "tokens": record["tokens"],
                          "lr": record["lr"], "loss": record[CURVE_LOSS]})
@@ -92,7 +92,7 @@ def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, P
     rungs = []
     for cfg in configs:
         run_dir = out / "rungs" / cfg.name
-        if not (run_dir / "summary.json").is_file():
+        if not (run_dir / SUMMARY).is_file():
             train_fn(cfg, run_dir)
         rungs.append((cfg, run_dir))
     return fit_and_predict(rungs, target_config(recipe), out, num_bootstrap)

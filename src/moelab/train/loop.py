@@ -4,11 +4,12 @@
     from moelab.train.loop import train
     summary = train(presets.get("tiny"), "runs/tiny")
 
-`train` writes `OUT/config.yaml`, `OUT/metrics.jsonl` (one JSON object per logged step),
-`OUT/mixture_log.jsonl`, `OUT/samples.jsonl` and `OUT/summary.json`; sinks (`moelab.lab.tracking`)
-mirror them to the ledger or W&B. Progress is reported through callbacks so the core imports no UI
-library; the CLI plugs in a Rich progress bar. Everything a user can get wrong (config, data files, vocabulary)
-is checked before `OUT` is created, so bad input leaves nothing half-written.
+`train` writes the run directory of `moelab.train.outputs` (`OUT/config.yaml`, `metrics.jsonl`, ...,
+`summary.json`). What plugs in comes as arguments, so train/ knows nothing of the lab or the ladder:
+sinks (`outputs.Sink`; `moelab.lab.tracking` mirrors the outputs to the ledger or W&B), watchers
+(`Watcher`; `moelab.ladder.predict.OnTrack` checks each eval against a predicted band) and progress
+callbacks (`Hooks`; the CLI plugs in a Rich progress bar). Everything a user can get wrong (config, data
+files, vocabulary) is checked before `OUT` is created, so bad input leaves nothing half-written.
 
 Multi-host: every process runs every step, eval, sample decode and checkpoint save (they are
 collectives), but only process 0 (`mesh.is_writer()`) writes the files above and publishes to sinks; on
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import threading
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,20 +35,21 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moelab.config import ConfigError, Preempted, RunConfig, dump_yaml, load_yaml, to_dict
-from moelab.data.mixture import Corpus, build_corpus, eval_batches, phase_at, sample_batch
-from moelab.lab import tracking
-from moelab.model import router, transformer
+from moelab.config import ConfigError, Preempted, RunConfig, load_yaml, to_dict
+from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
+from moelab.model import decode, router, transformer
 from moelab.model.dispatch import Dispatch
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
+from moelab.train import outputs
 from moelab.train.checkpoint import Checkpointer, SaveFailed
 from moelab.train.monitor import Incident, Monitor, group_norms, router_bias_norms
+from moelab.train.outputs import Sink
 from moelab.train.schedule import learning_rate
 from moelab.train.state import TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings
 
-__all__ = ["Hooks", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus", "config_changes",
-           "check_resumable", "train"]
+__all__ = ["Hooks", "Watcher", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
+           "config_changes", "check_resumable", "train"]
 
 def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
     """`cfg.model.moe.dispatch`'s backend; `ep` runs on `mesh`, or on one built from `cfg.mesh` if None."""
@@ -164,6 +165,20 @@ class Hooks:
             self.on_stage(name)
 
 
+class Watcher(Protocol):
+    """Watches a run's evals from outside the loop; `moelab.ladder.predict.OnTrack` (the predicted band) is one.
+
+    `check_run(cfg)` runs once, before anything is built (e.g. to warn that it watches for another run).
+    `watch(step, eval_mean)` runs at each eval, on every process, with its `eval/mean`; it returns fields
+    for that eval's metrics record (`on_track`) and incidents as {"rule", "module", "values"}, which the
+    loop stamps with the step, writes to incidents.jsonl and publishes like the monitor's own.
+    """
+
+    def check_run(self, cfg: RunConfig) -> None: ...
+
+    def watch(self, step: int, eval_mean: float) -> tuple[dict[str, Any], list[dict]]: ...
+
+
 def _jsonable(metrics: dict) -> dict:
     return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
 
@@ -223,76 +238,49 @@ def _stop_requests():
             signal.signal(sig, old)
 
 
-_LOGS = ("metrics.jsonl", "incidents.jsonl", "mixture_log.jsonl", "samples.jsonl", "router_load.jsonl")
+@dataclass(frozen=True)
+class _Start:
+    """Where a run starts: step 0, or its newest valid checkpoint with the logs cut back to that step."""
+
+    step: int
+    state: TrainState  # the checkpoint's, or the freshly initialized one
+    meta: dict | None  # the checkpoint's meta; None on a fresh start
+    kept: dict[str, list[str]]  # each log's lines up to `step` (`outputs.read_logs_until`)
 
 
-def _warn_if_predicted_for_another_run(on_track, cfg: RunConfig, predicted: str | Path) -> None:
-    """A prediction is for one planned run: another name, size or length makes its band meaningless."""
-    from moelab.accounting import count_params
-
-    mismatches, active = [], count_params(cfg.model).active
-    if on_track.run != cfg.name:
-        mismatches.append(f"run {on_track.run!r}, not {cfg.name!r}")
-    if on_track.params and abs(on_track.params / active - 1) > 0.01:
-        mismatches.append(f"{on_track.params:,.0f} active parameters, not {active:,}")
-    if on_track.last_step != cfg.train.steps:
-        mismatches.append(f"{on_track.last_step} steps, not {cfg.train.steps}")
-    if mismatches:
-        warnings.warn(f"{predicted} predicts {'; '.join(mismatches)}: its band is for another run. Train the "
-                      "ladder's target.yaml against it, or refit the ladder for this run.", stacklevel=3)
-
-
-def _finished_summary(out: Path, steps: int) -> dict | None:
-    """The summary a finished run wrote, if it covers `steps` steps."""
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) and summary.get("step") == steps else None
+def _resume(cfg: RunConfig, out: Path, hooks: Hooks, checkpoints: Checkpointer, state: TrainState) -> _Start:
+    """Restore the newest valid checkpoint (if any) and read what each log keeps up to its step."""
+    restored = checkpoints.restore_newest(like=state)
+    start = 0 if restored is None else restored.step
+    if start > cfg.train.steps:
+        checkpoints.close()
+        raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={cfg.train.steps}: pass "
+                          f"--steps {start} or more to continue it, or a new --out for a shorter run.")
+    if restored is not None and hooks.on_resume:
+        hooks.on_resume(start, checkpoints.directory / str(start))
+    # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
+    kept = outputs.read_logs_until(out, start)
+    if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
+        multihost_utils.sync_global_devices("moelab.train: run files read")
+    if restored is None:
+        return _Start(0, state, None, kept)
+    return _Start(start, restored.state, restored.meta, kept)
 
 
-def _open_run_file(path: Path, mode: str) -> IO[str]:
-    """`path` opened for writing on the process that writes the run's files; os.devnull on the others."""
-    return open(path if mesh_lib.is_writer() else os.devnull, mode)
-
-
-def _read_jsonl_until(path: Path, step: int) -> list[str]:
-    """Lines of a JSONL log whose `step` is at most `step`: what survives a resume from `step`."""
-    if not path.is_file():
-        return []
-    kept, lines = [], path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line) if line else None
-            if record is not None and record["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            if number == len(lines):  # a line torn by a kill mid-write: past the checkpoint anyway
-                break
-            raise ConfigError(f"{path}:{number} is not a moelab log line (no step), so this is not the run its "
-                              f"checkpoint belongs to; pass a new --out, or move {path} away.") from None
-    return kept
-
-
-def _reopen_log(files: contextlib.ExitStack, path: Path, kept: list[str]) -> IO[str]:
-    """Open a JSONL log for writing with the `kept` lines rewritten first (a resume redoes the rest)."""
-    f = files.enter_context(_open_run_file(path, "w"))
-    f.writelines(line + "\n" for line in kept)
-    return f
-
-
-def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
-          predicted: str | Path | None = None, sinks: Sequence[tracking.Sink] = ()) -> dict:
+def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, sinks: Sequence[Sink] = (),
+          watchers: Sequence[Watcher] = ()) -> dict:
     """Train `cfg` into `out_dir`, resuming from its newest valid checkpoint if there is one.
 
-    Writes `config.yaml`, `metrics.jsonl`, `incidents.jsonl`, `checkpoints/`, `summary.json` (and
-    `resumes.jsonl` on a resume), `mixture_log.jsonl` (phase changes and realized-token snapshots)
-    and `samples.jsonl` (greedy continuations of fixed prompts at each eval); see `moelab.lab.tracking`.
-    Every record, incident, mixture entry and sample also goes to each of `sinks`, which `train`
-    closes when it returns or raises. With `predicted` (a PRED.csv from `moelab ladder`), each eval's
-    `eval/mean` is checked against the predicted 95% band; two misses in a row are an `off_track`
-    incident. Returns the summary: final `step`, `loss`, `eval` and `eval_initial` per domain (with
-    their `mean`), `eval_mean`, `tokens`, `tokens_per_s`, `incidents`. Raises Preempted on SIGTERM / SIGINT.
+    Writes the run directory of `moelab.train.outputs`: `config.yaml`, `metrics.jsonl`,
+    `incidents.jsonl`, `mixture_log.jsonl` (phase changes and realized-token snapshots), `samples.jsonl`
+    (greedy continuations of fixed prompts at each eval), `router_load.jsonl`, `checkpoints/`,
+    `summary.json` (and `resumes.jsonl` on a resume). Every record, incident, mixture entry and sample
+    also goes to each of `sinks` (e.g. `moelab.lab.tracking`'s), which `train` closes when it returns or
+    raises. Each of `watchers` sees every eval's `eval/mean` (`Watcher`): with
+    `moelab.ladder.predict.load_on_track(PRED.csv)` each eval is checked against the predicted 95% band,
+    and two misses in a row are an `off_track` incident. Returns the summary: final `step`, `loss`,
+    `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s`,
+    `incidents`. Raises Preempted on SIGTERM / SIGINT.
 
     On a multi-host run every process trains, evaluates, saves checkpoints (Orbax coordinates
     `checkpoints/`) and returns the same summary, but only process 0 writes the other files and
@@ -300,13 +288,10 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
     """
     hooks = hooks or Hooks()
     out = Path(out_dir)
-    on_track = None
-    if predicted is not None:
-        from moelab.ladder.predict import OnTrack, load_prediction  # scipy: only when predictions are checked
-
-        on_track = OnTrack(load_prediction(predicted))
-        _warn_if_predicted_for_another_run(on_track, cfg, predicted)
-    changes = check_resumable(load_yaml(out / "config.yaml"), cfg) if (out / "config.yaml").is_file() else {}
+    for watcher in watchers:
+        watcher.check_run(cfg)
+    config_path = out / outputs.CONFIG
+    changes = check_resumable(load_yaml(config_path), cfg) if config_path.is_file() else {}
     mesh_lib.check_dispatch(cfg)
     mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
     corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
@@ -319,7 +304,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
     except OSError as e:
         raise ConfigError(f"cannot create the output directory {out} ({e.strerror}): pass a writable path (--out).") from None
     try:
-        return _train(cfg, out, hooks, on_track, changes, mesh, corpus, held_out, sinks)
+        return _train(cfg, out, hooks, changes, mesh, corpus, held_out, sinks, watchers)
     except OSError as e:  # a log or config write: a full disk, a file-size limit, a lost mount
         raise SaveFailed(f"writing {e.filename or 'a run file'} failed ({e.strerror or e}); the checkpoints saved "
                          "so far are untouched. Free disk space or fix the folder, then rerun the same command "
@@ -329,20 +314,14 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None,
             sink.close()
 
 
-def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mesh: Mesh, corpus: Corpus,
-           held_out: dict[str, list[np.ndarray]], sinks: Sequence[tracking.Sink]) -> dict:
-    """`train` once its inputs are checked and `out` exists."""
-    published = sinks if mesh_lib.is_writer() else ()  # a run's outputs go out once, from process 0
-
-    def publish(kind: str, *payload) -> None:
-        for sink in published:
-            getattr(sink, kind)(*payload)
-
+def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, corpus: Corpus,
+           held_out: dict[str, list[np.ndarray]], sinks: Sequence[Sink], watchers: Sequence[Watcher]) -> dict:
+    """`train` once its inputs are checked and `out` exists: build, resume, write the run's files, run the steps."""
     t, m = cfg.train, cfg.model
-    checkpoints = Checkpointer(out / "checkpoints", cfg.checkpoint)
+    checkpoints = Checkpointer(out / outputs.CHECKPOINTS, cfg.checkpoint)
     # A finished run is left as it is, known from its summary and sealed last checkpoint before anything
     # compiles (process 0 reads them; every process agrees).
-    previous = _finished_summary(out, t.steps)
+    previous = outputs.finished_summary(out, t.steps)
     if mesh_lib.from_process_0(lambda: previous is not None) and checkpoints.is_finished(t.steps):
         checkpoints.close()
         warnings.warn(f"{out} already finished its {t.steps} steps; nothing to do (its summary.json is unchanged). "
@@ -352,73 +331,74 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
     eval_sets = {d: [mesh_lib.place_batch(b, mesh) for b in batches] for d, batches in held_out.items()}
     state = init_sharded_state(cfg, mesh)
     train_step, eval_step = make_train_step(cfg, mesh), make_eval_step(cfg, mesh)
-    prompts = tracking.sample_prompts(corpus, m.seq_len)
-    decode, _ = tracking.make_greedy_decode(cfg, len(next(iter(prompts.values()))), corpus.tokenizer.vocab_size)
-    tokens_per_step = t.batch_size * m.seq_len
-    restored = checkpoints.restore_newest(like=state)
-    start = 0 if restored is None else restored.step
-    if start > t.steps:
-        checkpoints.close()
-        raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={t.steps}: pass --steps "
-                          f"{start} or more to continue it, or a new --out for a shorter run.")
-    if restored is not None and hooks.on_resume:
-        hooks.on_resume(start, checkpoints.directory / str(start))
-    # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
-    kept = {name: _read_jsonl_until(out / name, start) if start else [] for name in _LOGS}
-    if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
-        multihost_utils.sync_global_devices("moelab.train: run files read")
-    if restored is not None:
-        state = restored.state
-        initial_eval = restored.meta["eval_initial"]
-        realized = restored.meta.get("realized_tokens")  # None in checkpoints older than the mixture log
-        with _open_run_file(out / "resumes.jsonl", "a") as f:
-            f.write(json.dumps({"step": start, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+    prompts = decode.sample_prompts(corpus.heldout, m.seq_len)
+    greedy, _ = decode.make_greedy_decode(m, len(next(iter(prompts.values()))), corpus.tokenizer.vocab_size,
+                                          compute_dtype(cfg))
+
+    def evaluate_state(state: TrainState) -> dict[str, float]:
+        return evaluate(eval_step, state.params, state.router_bias, eval_sets)
+
+    def sample(state: TrainState, step: int) -> list[dict]:
+        return decode.generate_samples(greedy, state.params, state.router_bias, prompts, corpus.tokenizer, step)
+
+    start = _resume(cfg, out, hooks, checkpoints, state)
+    writer = mesh_lib.is_writer()
+    if start.meta is not None:
+        eval_initial = start.meta["eval_initial"]
+        outputs.append_resume(out, start.step, changes, writer)
     else:
         hooks.stage("compiling the eval step")
-        initial_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
-        realized = None
-    with _open_run_file(out / "config.yaml", "w") as f:
-        f.write(dump_yaml(cfg))
-    if hooks.on_eval and start == 0:
-        hooks.on_eval(0, initial_eval)
+        eval_initial = evaluate_state(start.state)
+    outputs.write_config(out, cfg, writer)
+    if hooks.on_eval and start.step == 0:
+        hooks.on_eval(0, eval_initial)
+    logs = outputs.RunLogs(out, start.kept, sinks, writer)  # opened by the steps
+    summary = _run_steps(cfg, mesh, corpus, hooks, watchers, checkpoints, logs, start, eval_initial, train_step,
+                         evaluate_state, sample)
+    outputs.write_summary(out, summary, writer)
+    return summary
+
+
+def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watchers: Sequence[Watcher],
+               checkpoints: Checkpointer, logs: outputs.RunLogs, start: _Start, eval_initial: dict[str, float],
+               train_step: Callable, evaluate_state: Callable[[TrainState], dict[str, float]],
+               sample: Callable[[TrainState, int], list[dict]]) -> dict:
+    """The steps from `start.step` to `train.steps`: train, log, evaluate, watch, sample, save; returns the summary.
+
+    Raises Preempted, once the checkpoint of the step under way is saved, when a stop was requested.
+    """
+    t, m = cfg.train, cfg.model
+    tokens_per_step = t.batch_size * m.seq_len
+    state = start.state
 
     def save(step: int) -> Path:
-        return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": initial_eval,
+        return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": eval_initial,
                                               "realized_tokens": mixture.counts})
 
-    last_eval, record, tokens_per_s = initial_eval, {}, 0.0
+    def report(found: list[dict]) -> None:
+        for incident in found:
+            logs.incident(incident)
+        incidents.extend(found)
+
+    last_eval, record, tokens_per_s = eval_initial, {}, 0.0
     steady_since, steady_steps = None, 0  # the throughput after this process's first (compiling) step
-    if start == t.steps:  # finished, but its summary was never written: summarize the final state again
-        last_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
-        record = json.loads(kept["metrics.jsonl"][-1]) if kept["metrics.jsonl"] else {}
+    if start.step == t.steps:  # finished, but its summary was never written: summarize the final state again
+        last_eval = evaluate_state(state)
+        record = json.loads(start.kept[outputs.METRICS][-1]) if start.kept[outputs.METRICS] else {}
     monitor, incidents = Monitor(cfg.monitor), []
-    with contextlib.ExitStack() as files:
-        stop = files.enter_context(_stop_requests())
-        log, incident_log, mixture_log, sample_log, load_log = (_reopen_log(files, out / name, kept[name])
-                                                                for name in _LOGS)
-        mixture = tracking.MixtureLog(cfg, corpus.domains, start, realized,
-                                      [json.loads(x) for x in kept["mixture_log.jsonl"]])
+    with _stop_requests() as stop, logs:
+        # No `realized_tokens` in a fresh start or a checkpoint older than the mixture log: rebuilt from the phases.
+        realized = start.meta.get("realized_tokens") if start.meta else None
+        mixture = MixtureLog(cfg, corpus.domains, start.step, realized,
+                             [json.loads(x) for x in start.kept[outputs.MIXTURE_LOG]])
         window_steps = 0
-
-        def log_mixture(entry: dict | None) -> None:
-            if entry is not None:
-                mixture_log.write(json.dumps(entry) + "\n")
-                mixture_log.flush()
-                publish("mixture", entry)
-
-        def log_samples(step: int) -> None:
-            rows = tracking.generate_samples(decode, state.params, state.router_bias, prompts, corpus.tokenizer, step)
-            sample_log.writelines(json.dumps(row) + "\n" for row in rows)
-            sample_log.flush()
-            publish("samples", step, rows)
-
-        if start == 0:
+        if start.step == 0:
             hooks.stage("compiling the sampler")
-            log_samples(0)
+            logs.samples(0, sample(state, 0))
         hooks.stage("compiling the train step")
         window_start = time.perf_counter()  # the decode's compile is not training time
-        for step in range(start, t.steps):
-            log_mixture(mixture.before_step(step))
+        for step in range(start.step, t.steps):
+            logs.mixture(mixture.before_step(step))
             _, phase = phase_at(cfg.data, step, t.steps)
             batch = sample_batch(corpus, phase.weights, t.seed, step, t.batch_size, m.seq_len)
             ceiling = jnp.float32(monitor.loss_ceiling())
@@ -433,41 +413,30 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
             snapshot = mixture.after_step(done, batch)
             if snapshot is None and done == t.steps:
                 snapshot = mixture.snapshot(done)  # the end always gets one
-            log_mixture(snapshot)
+            logs.mixture(snapshot)
             new_incidents = [i.to_json() for i in monitor.observe(done, scalars)]
-            for incident in new_incidents:
-                incident_log.write(json.dumps(incident) + "\n")
-                publish("incident", incident)
-            incidents += new_incidents
+            report(new_incidents)
             is_eval = done % t.eval_every == 0 or done == t.steps
             if done % t.log_every == 0 or is_eval or new_incidents:
                 tokens_per_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
                 record = {"step": done, **scalars, "tokens": done * tokens_per_step,
                           "tokens_per_s": tokens_per_s, "phase": phase.name}
                 if is_eval:
-                    last_eval = evaluate(eval_step, state.params, state.router_bias, eval_sets)
+                    last_eval = evaluate_state(state)
                     record.update({f"eval/{d}": v for d, v in last_eval.items()})
-                    if on_track is not None:
-                        check = on_track.check(done, last_eval["mean"])
-                        record["on_track"] = check.state
-                        if check.opens_incident:
-                            incident = Incident(done, check.rule, "loss", check.values).to_json()
-                            incident_log.write(json.dumps(incident) + "\n")
-                            publish("incident", incident)
-                            incidents.append(incident)
-                            new_incidents.append(incident)
-                    log_samples(done)
-                    # The router's running load per layer and expert (an EMA), for the report's heatmap.
-                    load_log.write(json.dumps({"step": done, "load": jax.device_get(state.router_load).tolist()}) + "\n")
-                    load_log.flush()
+                    for watcher in watchers:
+                        fields, found = watcher.watch(done, last_eval["mean"])
+                        record.update(fields)
+                        found = [Incident(done, **incident).to_json() for incident in found]
+                        report(found)
+                        new_incidents += found
+                    logs.samples(done, sample(state, done))
+                    logs.router_load(done, jax.device_get(state.router_load).tolist())
                     if hooks.on_eval:
                         hooks.on_eval(done, last_eval)
                 if new_incidents:
                     record["incidents"] = new_incidents
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                incident_log.flush()
-                publish("log", record)
+                logs.log(record)
                 if hooks.on_log:
                     hooks.on_log(record)
                 window_start, window_steps = time.perf_counter(), 0
@@ -480,27 +449,22 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, on_track, changes: dict, mes
                 path = save(done)
                 if stopping and done < t.steps:
                     if snapshot is None:  # publish the realized mixture up to the stop
-                        log_mixture(mixture.snapshot(done))
-                    log.flush()
+                        logs.mixture(mixture.snapshot(done))
                     checkpoints.close()
                     raise Preempted(done, path)
             if hooks.on_step:
                 hooks.on_step(done)
     checkpoints.close()
-
-    summary = {
+    return {
         "step": t.steps,
         "loss": record.get("loss"),
         "eval": last_eval,
-        "eval_initial": initial_eval,
+        "eval_initial": eval_initial,
         "eval_mean": last_eval["mean"],
         "tokens": t.steps * tokens_per_step,
         # Steady state: every step this process ran after its first (which compiles), evals and saves
         # included; None when it ran fewer than two.
         "tokens_per_s": steady_steps * tokens_per_step / (time.perf_counter() - steady_since) if steady_steps else None,
-        "incidents": len(kept["incidents.jsonl"]) + len(incidents),
-        "resumed_from": start or None,
+        "incidents": len(start.kept[outputs.INCIDENTS]) + len(incidents),
+        "resumed_from": start.step or None,
     }
-    with _open_run_file(out / "summary.json", "w") as f:
-        f.write(json.dumps(summary, indent=2) + "\n")
-    return summary
