@@ -292,7 +292,6 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
         watcher.check_run(cfg)
     config_path = out / outputs.CONFIG
     changes = check_resumable(load_yaml(config_path), cfg) if config_path.is_file() else {}
-    mesh_lib.check_dispatch(cfg)
     mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
     corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
     t, m = cfg.train, cfg.model
