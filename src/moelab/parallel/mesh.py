@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from moelab.config import ConfigError, MeshConfig, RunConfig
+from moelab.config import ConfigError, MeshConfig
 
 __all__ = [
     "AXES",
@@ -47,7 +47,6 @@ __all__ = [
     "on_every_process",
     "from_process_0",
     "make_mesh",
-    "check_dispatch",
     "param_spec",
     "state_shardings",
     "batch_sharding",
@@ -142,14 +141,6 @@ def make_mesh(cfg: MeshConfig, devices: list[jax.Device] | None = None) -> Mesh:
     return jax.make_mesh(
         (cfg.replica, cfg.expert), AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[: cfg.num_devices]
     )
-
-
-def check_dispatch(cfg: RunConfig) -> None:
-    """Nothing left to check: the dispatch-vs-mesh rules are `RunConfig`'s, so every constructed config
-    already satisfies them, and `make_mesh` checks the device count.
-
-    TODO(issue 15): delete this with its last call (`train/loop.py: train`).
-    """
 
 
 def param_spec(path: tuple, leaf: Any) -> P:

@@ -35,7 +35,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moelab.config import ConfigError, Preempted, RunConfig, load_yaml, to_dict
+from moelab.config import ConfigError, Preempted, RunConfig, changed_fields, load_yaml, to_dict
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import decode, router, transformer
 from moelab.model.dispatch import Dispatch
@@ -191,19 +191,9 @@ RESUME_SAFE = ("name", "train.steps", "train.log_every", "train.eval_every", "tr
                "checkpoint.", "monitor.", "plan.", "mesh.")
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict) and data and all(isinstance(k, str) for k in data):
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): data}
-
-
 def config_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
     """Fields whose value differs between two configs, as {dotted.field: (old, new)}."""
-    a, b = _flatten(to_dict(old)), _flatten(to_dict(new))
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    return changed_fields(to_dict(old), to_dict(new))
 
 
 def check_resumable(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
