@@ -226,7 +226,7 @@ class ModelConfig:
             _check(self.moe.latent_dim < self.d_model, "model.moe.latent_dim", self.moe.latent_dim,
                    f"must be smaller than model.d_model={self.d_model}: the latent compresses the experts' input "
                    f"(d_model / 2 = {self.d_model // 2} is the usual width); set null for no latent")
-        if self.moe.dispatch == "grouped":  # Triton's MMA tiles are multiples of 16 (GROUPED_MIN_TILE)
+        if self.moe.dispatch == "grouped":  # Triton's MMA tiles are multiples of 16 (grouped_matmul.MIN_TILE)
             input_name = "model.moe.latent_dim" if self.moe.latent_dim is not None else "model.d_model"
             for name, width in (("model.moe.expert_dim", self.moe.expert_dim), (input_name, self.expert_input_dim)):
                 _check(width % 16 == 0, name, width,
