@@ -20,9 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from moelab import accounting
+from moelab.ladder.predict import load_on_track
 from moelab.ladder.rungs import load_recipe
-from moelab.ladder.run import curve_rows, run_ladder, target_config
+from moelab.ladder.run import curve_rows, plan_ladder, run_ladder
 from moelab.train.loop import train
+from moelab.train.outputs import INCIDENTS, SUMMARY
 
 
 def score(pred_path: Path, actual: list[dict], total_tokens: int) -> dict:
@@ -56,10 +58,10 @@ def main() -> None:
     start = time.perf_counter()
     fit = run_ladder(recipe, out, lambda cfg, run_dir: train(cfg, run_dir))
     ladder_s = time.perf_counter() - start
-    target = target_config(recipe)
+    _, target = plan_ladder(recipe)
     target_dir = out / "target"
-    if not (target_dir / "summary.json").is_file():
-        train(target, target_dir, predicted=out / "prediction.csv")
+    if not (target_dir / SUMMARY).is_file():
+        train(target, target_dir, watchers=[load_on_track(out / "prediction.csv")])
     total_s = time.perf_counter() - start
     result = {
         "benchmark": "ladder_cpu",
@@ -72,7 +74,7 @@ def main() -> None:
         "law": fit["law"],
         "ladder_seconds": ladder_s,
         "total_seconds": total_s,
-        "off_track_incidents": sum(1 for line in open(target_dir / "incidents.jsonl")
+        "off_track_incidents": sum(1 for line in open(target_dir / INCIDENTS)
                                    if json.loads(line)["rule"] == "off_track"),
         **score(out / "prediction.csv", curve_rows(target, target_dir), accounting.train_tokens(target)),
     }

@@ -1,6 +1,6 @@
-"""The executor: completed steps are skipped, a changed versioned field re-runs exactly what lies downstream,
---dry-run predicts what runs, crashes never pass for success, a preempted step resumes in place, and Ray runs
-the same DAG."""
+"""The step runner (`lab.dag`): completed steps are skipped, a changed versioned field re-runs exactly what lies
+downstream, --dry-run predicts what runs, crashes never pass for success, a preempted step resumes in place, and
+Ray runs the same DAG."""
 
 import fcntl
 import functools
@@ -21,10 +21,10 @@ import yaml
 from helpers import run_cli
 
 from moelab.config import ConfigError, Preempted
-from moelab.lab.executor import FAILED, PREEMPTED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
+from moelab.lab.dag import FAILED, PREEMPTED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
 from moelab.lab.ledger import append, open_ledger, records, verify
 
-STEP_FILES = {"STATUS", "step.json"}  # what the executor writes before the step function starts
+STEP_FILES = {"STATUS", "step.json"}  # what the runner writes before the step function starts
 
 
 def compute(ctx):
@@ -182,7 +182,7 @@ def test_a_preempted_step_blocks_downstream_then_resumes_in_its_own_directory(tm
 
 KILLED_STEP = """
 import os, sys
-from moelab.lab.executor import Step, execute, versioned
+from moelab.lab.dag import Step, execute, versioned
 
 def killed(ctx):
     (ctx.output_dir / "value.txt").write_text("half")

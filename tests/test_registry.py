@@ -11,7 +11,7 @@ import yaml
 
 from helpers import run_cli
 
-from moelab.lab.executor import run_experiment
+from moelab.lab.experiment import run_experiment
 from moelab.lab.ledger import ChainBroken, open_ledger, records, verify
 from moelab.lab.registry import parse_spec, read_spec_file, resolve_run_config, spec_hash
 

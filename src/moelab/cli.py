@@ -343,7 +343,7 @@ def demo(
     Re-running reuses every finished step (seconds); the report states the hypothesis verdict.
     """
     from moelab.lab.cli import show_outcomes
-    from moelab.lab.executor import run_experiment, show_training_progress
+    from moelab.lab.experiment import run_experiment
     from moelab.lab.ledger import open_ledger
     from moelab.lab.registry import load_experiment, read_spec_file, register
     from moelab.lab.report import experiment_verdict, write_report
@@ -359,8 +359,7 @@ def demo(
     except ConfigError:
         register(ledger, spec)
         err_console.print(f"Registered {exp_id} in {ledger.path} before running anything.")
-    with show_training_progress(training_progress):
-        show_outcomes(exp_id, run_experiment(ledger, exp_id, root, spec_path=spec))
+    show_outcomes(exp_id, run_experiment(ledger, exp_id, root, spec_path=spec, progress=training_progress))
     html = write_report(ledger, exp_id)
     verdict, value = experiment_verdict(ledger, exp_id)
     metric = load_experiment(ledger, exp_id).spec.prediction.metric

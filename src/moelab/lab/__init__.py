@@ -2,8 +2,9 @@
 
 - `ledger`: the append-only, hash-chained SQLite record (experiments, amendments, runs, metrics, ...).
 - `registry`: experiment specs, pre-registration, amendments and their issue-ready Markdown.
-- `executor`: steps with versioned configs in content-hashed directories; local and Ray backends;
-  an experiment's spec turned into such a DAG.
+- `dag`: steps with versioned configs in content-hashed directories; local and Ray backends.
+- `experiment`: an experiment's spec turned into such a DAG (ladder rungs, fit, main run) and run
+  with its events on the ledger.
 - `cli`: the `moelab lab` commands.
 
 Nothing here imports Ray or JAX at import time: Ray loads only for `--backend ray`, JAX only when a

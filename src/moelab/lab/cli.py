@@ -18,7 +18,6 @@ unknown id, a file that is not a ledger, writing to a broken chain); 75 a traini
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shlex
@@ -35,7 +34,8 @@ from rich.table import Table
 from moelab._cli_utils import EXIT_PREEMPTED
 from moelab.config import ConfigError
 from moelab.lab import registry
-from moelab.lab.executor import BACKENDS, FAILED, PREEMPTED, SUCCESS, plan_experiment, run_experiment
+from moelab.lab.dag import BACKENDS, FAILED, PREEMPTED, SUCCESS
+from moelab.lab.experiment import plan_experiment, run_experiment
 from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open_ledger, verify as verify_chain
 
 lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -224,11 +224,9 @@ def run(
     err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
                       highlight=False)
     from moelab.cli import training_progress
-    from moelab.lab.executor import show_training_progress
 
     # Local steps train in this process and show each one's progress bar; Ray workers train quietly.
-    with show_training_progress(training_progress) if backend == "local" else contextlib.nullcontext():
-        outcomes = run_experiment(book, exp_id, root, spec, backend)
+    outcomes = run_experiment(book, exp_id, root, spec, backend, progress=training_progress)
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))
     show_outcomes(exp_id, outcomes, table=not json_out)

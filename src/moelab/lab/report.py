@@ -44,7 +44,7 @@ __all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "ex
 CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
 SECTION_IDS = ("hypothesis", "loss-curve", "per-domain-eval", "mixture", "router", "norms-incidents", "amendments",
                "samples", "reproducibility")
-TRAIN_STEP = "train"  # the executor step whose output directory holds the run (executor.experiment_steps)
+TRAIN_STEP = "train"  # the step whose output directory holds the run (experiment.experiment_steps)
 MAX_SAMPLE_EVALS = 3  # samples shown for the first, middle and last eval that has any
 
 

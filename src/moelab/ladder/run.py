@@ -1,6 +1,10 @@
-"""Running a ladder: train the rungs, write their curves, fit the curve law, predict the target.
+"""Running a ladder: plan the rungs and the target, train the rungs, fit the curve law, predict the target.
 
     moelab ladder run experiments/ladder-cpu.yaml --out runs/ladder
+
+`plan_ladder` and `fit_and_predict` are the one plan and the one fit of every ladder: `run_ladder`
+(`moelab ladder run`, benchmarks/ladder_cpu.py) trains the rungs one after another under `--out`;
+an experiment spec's `ladder:` runs the same plan and fit as steps of its DAG (`lab.experiment`).
 
 Layout of `--out`:
 
@@ -24,10 +28,13 @@ from typing import Callable
 
 from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
-from moelab.ladder.rungs import EVALS_PER_RUN, LadderRecipe, check_monotone, rungs_of
+from moelab.ladder.fit import NUM_BOOTSTRAP
+from moelab.ladder.predict import fit_curves
+from moelab.ladder.rungs import LadderRecipe, check_monotone, rungs_of
+from moelab.presets import EVALS_PER_RUN
 from moelab.train.outputs import METRICS, SUMMARY, read_jsonl
 
-__all__ = ["curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder", "target_config"]
+__all__ = ["plan_ladder", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder"]
 
 CURVE_LOSS = "eval/mean"
 
@@ -63,18 +70,27 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def target_config(recipe: LadderRecipe) -> RunConfig:
-    """The target as it is trained and predicted: warming up for 5% and evaluating every 5%, like the rungs."""
+def plan_ladder(recipe: LadderRecipe) -> tuple[list[RunConfig], RunConfig]:
+    """The rungs, smallest first, and the target as it is trained and predicted.
+
+    ConfigError when the rungs do not grow in active parameters. The target warms up for 5% and
+    evaluates every 5% of its steps, like the rungs.
+    """
+    rungs = rungs_of(recipe)
+    check_monotone(rungs)
     cfg = recipe.target
     every = max(1, cfg.train.steps // EVALS_PER_RUN)
-    return replace(cfg, train=replace(cfg.train, eval_every=every, warmup_steps=every))
+    return rungs, replace(cfg, train=replace(cfg.train, eval_every=every, warmup_steps=every))
+
+
+def rung_dir(out: Path, cfg: RunConfig) -> Path:
+    """Where `run_ladder` trains a rung: OUT/rungs/<name>."""
+    return out / "rungs" / cfg.name
 
 
 def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out: Path,
-                    num_bootstrap: int = 200) -> dict:
+                    num_bootstrap: int = NUM_BOOTSTRAP) -> dict:
     """From finished rungs (config, run dir): write curves.csv, target.csv, prediction.csv and fit.json."""
-    from moelab.ladder.predict import fit_curves
-
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "curves.csv", [row for cfg, run_dir in rungs for row in curve_rows(cfg, run_dir)])
     write_csv(out / "target.csv", target_rows(target))
@@ -84,15 +100,10 @@ def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out:
     return summary
 
 
-def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],
-               num_bootstrap: int = 200) -> dict:
+def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict]) -> dict:
     """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target."""
-    configs = rungs_of(recipe)
-    check_monotone(configs)
-    rungs = []
-    for cfg in configs:
-        run_dir = out / "rungs" / cfg.name
-        if not (run_dir / SUMMARY).is_file():
-            train_fn(cfg, run_dir)
-        rungs.append((cfg, run_dir))
-    return fit_and_predict(rungs, target_config(recipe), out, num_bootstrap)
+    rungs, target = plan_ladder(recipe)
+    for cfg in rungs:
+        if not (rung_dir(out, cfg) / SUMMARY).is_file():
+            train_fn(cfg, rung_dir(out, cfg))
+    return fit_and_predict([(cfg, rung_dir(out, cfg)) for cfg in rungs], target, out)

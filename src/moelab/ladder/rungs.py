@@ -23,7 +23,7 @@ from pathlib import Path
 from moelab import presets
 from moelab.accounting import count_params, flops_per_token, train_tokens
 from moelab.config import ConfigError, RunConfig, read_yaml
-from moelab.presets import EVALS_PER_RUN, make_rung  # noqa: F401 (EVALS_PER_RUN: ladder.run reads it here)
+from moelab.presets import make_rung
 
 __all__ = ["LadderRecipe", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
            "check_monotone"]

@@ -1,6 +1,6 @@
 """Steps with versioned configs in content-hashed directories, run locally or on Ray.
 
-    from moelab.lab.executor import Step, execute, plan, versioned
+    from moelab.lab.dag import Step, execute, plan, versioned
     steps = [
         Step("data", make_data, {"seed": versioned(0)}),
         Step("train", train_model, {"lr": versioned(3e-3), "log_every": 10}, deps=("data",)),
@@ -11,9 +11,10 @@
 A step's *version* is the SHA-256 of its name, its versioned config fields (those wrapped in
 `versioned`) and its dependencies' versions; it writes into ROOT/<name>-<version[:8]>. Change a
 versioned field and that step and everything downstream get new directories and run again; the
-rest are skipped. Fields not wrapped (log cadence, paths of scratch files) may change freely. This
-is the executor of Marin (marin-community/marin, `marin/execution/executor.py`) cut down to what
-the lab needs.
+rest are skipped. Fields not wrapped (log cadence, paths of scratch files) may change freely, and so
+may the step function itself. This is the executor of Marin (marin-community/marin,
+`marin/execution/executor.py`) cut down to what the lab needs; what the steps of an experiment are
+is `lab.experiment`'s business, not this module's.
 
 Each step directory holds `STATUS` (RUNNING, SUCCESS, FAILED or PREEMPTED, written atomically),
 `step.json` (version, config, dependencies, host, times, the traceback of a failure) and
@@ -21,7 +22,7 @@ Each step directory holds `STATUS` (RUNNING, SUCCESS, FAILED or PREEMPTED, writt
 (ROOT/.locks/<dir>.lock, `flock`) makes one process run a step while others wait for it. A step
 that crashes is left FAILED (or RUNNING with no process holding its lock, after a hard kill), never
 SUCCESS; before it runs again its partial output is moved aside to <dir>.failed-<UTC time>, so
-nothing half-written is reused or lost. A KeyboardInterrupt that reaches the executor counts as a
+nothing half-written is reused or lost. A KeyboardInterrupt that reaches the runner counts as a
 crash (recorded, then re-raised); `train` turns Ctrl-C inside its loop into `Preempted` instead.
 
 A step function that raises `moelab.config.Preempted` (as `train` does on SIGTERM / SIGINT, after
@@ -34,40 +35,29 @@ Backends: `local` runs the steps one after another in this process; `ray` submit
 task whose arguments are its dependencies' results, so Ray runs independent steps in parallel.
 Ray joins the cluster at RAY_ADDRESS when that is set and otherwise starts a local one; it is
 imported only when that backend is chosen.
-
-The bottom of the module turns a registered experiment into such a DAG (`experiment_steps`) and
-runs it with every step's start, end or failure on the ledger (`run_experiment`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime as dt
 import fcntl
-import functools
 import hashlib
 import json
 import os
-import shutil
 import socket
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from moelab.config import ConfigError, Preempted, RunConfig, from_dict, load_yaml, to_dict
-from moelab.lab.ledger import Ledger, append, canonical_json, check_chain
-from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
-from moelab.train.outputs import CONFIG, Sink
+from moelab.config import ConfigError, Preempted
+from moelab.lab.ledger import canonical_json
 
 __all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
-           "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan", "execute",
-           "training_step", "run_training", "experiment_steps", "plan_experiment", "run_experiment"]
+           "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan", "execute"]
 
 RUNNING, SUCCESS, FAILED, PREEMPTED = "RUNNING", "SUCCESS", "FAILED", "PREEMPTED"
 BACKENDS = ("local", "ray")
-LADDER_BOOTSTRAP = 200  # bootstrap refits over whole rungs behind the predicted bands
 STATUS_FILE, INFO_FILE, RESULT_FILE = "STATUS", "step.json", "result.json"
 
 
@@ -460,9 +450,10 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
 
     A failed step blocks the steps downstream of it; independent branches still run. A preempted
     step means the whole run was asked to stop (SIGTERM / SIGINT), so the local backend starts no
-    further step ("not started"); the next `execute` resumes the PREEMPTED one in its own directory. `on_event` gets a dict for each step
-    that starts, finishes, fails, is preempted or is skipped (with Ray, in the worker: it must be
-    picklable, e.g. a `functools.partial` of a top-level function).
+    further step ("not started"); the next `execute` resumes the PREEMPTED one in its own directory.
+    `on_event` gets a dict for each step that starts, finishes, fails, is preempted or is skipped
+    (with Ray, in the worker: it must be picklable, e.g. a `functools.partial` of a top-level
+    function, and so must each step's function).
     """
     if backend not in BACKENDS:
         raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
@@ -479,128 +470,3 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
             outcomes[job.step.name] = _execute_job(job, on_event, *[outcomes[d] for d in job.step.deps])
             preempted = outcomes[job.step.name].status == PREEMPTED
     return [outcomes[j.step.name] for j in jobs]
-
-
-# ----------------------------------------------------------------------------------------------
-# experiments as DAGs
-
-
-def run_training(ctx: StepContext) -> dict:
-    """Step function: train the RunConfig in `ctx.config` into the step's directory; returns the summary."""
-    from moelab.lab import tracking  # JAX loads only when a training step runs
-    from moelab.train.loop import Watcher, train
-
-    cfg = from_dict({**ctx.config["run"], "name": ctx.config["name"]})
-    sinks: list[Sink] = []
-    if ctx.config.get("ledger"):  # a registered experiment's run: metrics, mixture, samples on its ledger
-        sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
-        if tracking.wandb_available():
-            sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
-    watchers: list[Watcher] = []
-    if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
-        from moelab.ladder.predict import load_on_track
-
-        predicted = ctx.output_dir / "prediction.csv"
-        shutil.copyfile(ctx.deps[ctx.config["predicted_by"]] / "prediction.csv", predicted)
-        watchers.append(load_on_track(predicted))
-    progress = _training_progress or (lambda cfg: contextlib.nullcontext(None))
-    with progress(cfg) as hooks:
-        return train(cfg, ctx.output_dir, hooks, sinks=sinks, watchers=watchers)
-
-
-# How a training step shows its progress in this process: set by the command line for the local
-# backend (`show_training_progress`); Ray workers, other processes, leave it unset and run quietly.
-_training_progress: Callable[[RunConfig], Any] | None = None
-
-
-@contextlib.contextmanager
-def show_training_progress(factory: Callable[[RunConfig], Any]):
-    """Within the block, local training steps run under `factory(cfg)`, a context manager yielding Hooks."""
-    global _training_progress
-    previous, _training_progress = _training_progress, factory
-    try:
-        yield
-    finally:
-        _training_progress = previous
-
-
-def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
-                  resources: Mapping[str, float] | None = None, predicted_by: str | None = None) -> Step:
-    """A step that trains `cfg`. Every field but the run's name is versioned: each one can change the outputs.
-
-    With `predicted_by` (the name of a `fit_ladder` step among `deps`), each eval is checked against
-    that step's predicted band.
-    """
-    run = to_dict(cfg)
-    run_name = run.pop("name")
-    config = {"run": versioned(run), "name": run_name, "predicted_by": predicted_by}
-    return Step(name, run_training, config, deps, dict(resources or {}))
-
-
-def fit_ladder(ctx: StepContext) -> dict:
-    """Step function: fit the curve law on the rung steps' evals and predict the target (`ladder.run`)."""
-    from moelab.ladder.run import fit_and_predict
-
-    rungs = [(load_yaml(ctx.deps[name] / CONFIG), ctx.deps[name]) for name in ctx.config["rungs"]]
-    target = from_dict(ctx.config["target"])
-    return fit_and_predict(rungs, target, ctx.output_dir, num_bootstrap=ctx.config["bootstrap"])
-
-
-def ladder_steps(spec: Spec) -> list[Step]:
-    """rungs -> fit -> the main run ("train"), watched against the fit's predicted band."""
-    from moelab.ladder.rungs import check_monotone, recipe_from_data, rungs_of
-    from moelab.ladder.run import target_config
-
-    recipe = recipe_from_data(spec.ladder, f"experiment {spec.id}: ladder")
-    configs = rungs_of(recipe)
-    check_monotone(configs)
-    rungs = [training_step(f"rung-{cfg.name}", cfg, resources=spec.resources) for cfg in configs]
-    target = target_config(recipe)
-    names = tuple(step.name for step in rungs)
-    fit = Step("fit", fit_ladder, {"rungs": list(names), "target": versioned(to_dict(target)),
-                                   "bootstrap": versioned(LADDER_BOOTSTRAP)}, names)
-    main = training_step("train", target, ("fit",), spec.resources, predicted_by="fit")
-    return [*rungs, fit, main]
-
-
-def experiment_steps(spec: Spec) -> list[Step]:
-    """The DAG of a registered spec: `config:` is one training step; `ladder:` is rungs -> fit -> main run."""
-    if spec.ladder is not None:
-        return ladder_steps(spec)
-    return [training_step("train", resolve_run_config(spec), resources=spec.resources)]
-
-
-def _record_run_event(ledger: Ledger, exp_id: str, provenance: dict, event: dict) -> None:
-    append(ledger, "run", exp_id, {**event, **provenance})
-
-
-def _experiment_dag(ledger: Ledger, exp_id: str, spec_path: str | Path | None):
-    experiment = load_experiment(ledger, exp_id)
-    check_unchanged(experiment, spec_path if spec_path is not None else experiment.source)
-    return experiment, experiment_steps(experiment.spec)
-
-
-def plan_experiment(ledger: Ledger, exp_id: str, root: str | Path,
-                    spec_path: str | Path | None = None) -> list[PlannedStep]:
-    """`plan` for a registered experiment, after the same checks as `run_experiment`."""
-    _, steps = _experiment_dag(ledger, exp_id, spec_path)
-    return plan(steps, Path(root) / exp_id)
-
-
-def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Path | None = None,
-                   backend: str = "local") -> list[StepOutcome]:
-    """Execute a registered experiment's DAG under ROOT/<id>, each step's events on the ledger.
-
-    Refused (ConfigError) when the spec file (`spec_path`, by default the one it was registered or
-    last amended from) differs from the version in force: amend it first. Refused (ChainBroken) when
-    the ledger's chain does not check out, before any step starts: its events would go on a broken chain.
-    """
-    check_chain(ledger)
-    experiment, steps = _experiment_dag(ledger, exp_id, spec_path)
-    # Unversioned: where a training step publishes its metrics changes no output directory.
-    tracked = {"ledger": str(Path(ledger.path).absolute()), "experiment": exp_id}
-    steps = [dataclasses.replace(s, config={**s.config, **tracked}) if s.fn is run_training else s for s in steps]
-    commit, dirty = git_state(Path.cwd())
-    provenance = {"spec_hash": experiment.spec_hash, "git_commit": commit, "git_dirty": dirty, "backend": backend}
-    on_event = functools.partial(_record_run_event, ledger, exp_id, provenance)
-    return execute(steps, Path(root) / exp_id, backend=backend, on_event=on_event)
