@@ -11,7 +11,7 @@ from helpers import assert_same_run, run_cli, train_args
 
 from moelab import presets
 from moelab.config import ConfigError, override
-from moelab._cli_utils import resolve_config
+from moelab.cli.common import resolve_config
 from moelab.train.loop import train
 from moelab.train.outputs import read_jsonl_until
 

@@ -45,6 +45,8 @@ def test_presets_lists_every_preset(monkeypatch, capsys):
         (["train", "--preset", "tiny", "--set", "model.vocab_size=100"], "model.vocab_size=100"),
         (["train"], "exactly one of CONFIG.yaml or --preset"),
         (["train", "--preset", "tiny", "--set", "model.seq_len=100000"], "fewer than one row of seq_len + 1"),
+        (["train", "--preset", "tiny", "--mesh", "expert=2", "--set", "model.moe.dispatch=capacity"],
+         "model.moe.dispatch='capacity' cannot run with mesh.expert=2"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, monkeypatch, capsys, tmp_path):
@@ -54,6 +56,17 @@ def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, mo
     assert message in " ".join(err.split())
     assert "Traceback" not in err
     assert not out_dir.exists()
+
+
+def test_mesh_with_experts_selects_dispatch_ep_unless_set_names_a_dispatch():
+    """`--mesh expert>1` is a shortcut for `--set model.moe.dispatch=ep`; a dispatch given with --set is left
+    to RunConfig, which refuses one the mesh cannot run (the bad-input case above)."""
+    from moelab.cli.train import _mesh_fields
+
+    assert _mesh_fields("replica=2,expert=4", None) == {"mesh.replica": 2, "mesh.expert": 4,
+                                                        "model.moe.dispatch": "ep"}
+    assert _mesh_fields("expert=4", ["model.moe.dispatch=capacity"]) == {"mesh.expert": 4}
+    assert _mesh_fields("replica=2,expert=1", None) == {"mesh.replica": 2, "mesh.expert": 1}
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,7 @@ def test_the_progress_status_shows_how_long_the_current_stage_has_run():
 
     from rich.progress import Progress
 
-    from moelab.cli import _StatusColumn
+    from moelab.cli.train import _StatusColumn
 
     progress = Progress()
     task = progress.add_task("tiny", status="compiling the train step", since=time.monotonic() - 12.2)

@@ -5,7 +5,9 @@
 - `dag`: steps with versioned configs in content-hashed directories; local and Ray backends.
 - `experiment`: an experiment's spec turned into such a DAG (ladder rungs, fit, main run) and run
   with its events on the ledger.
-- `cli`: the `moelab lab` commands.
+- `demo`: one spec registered (once), run and reported: what `moelab demo` does.
+
+The `moelab lab` and `moelab demo` commands live in `moelab.cli`.
 
 Nothing here imports Ray or JAX at import time: Ray loads only for `--backend ray`, JAX only when a
 training step runs.

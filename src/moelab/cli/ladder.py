@@ -15,9 +15,10 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from moelab import presets
-from moelab._cli_utils import JsonOpt, PresetOpt, out_console
+from moelab.cli.common import JsonOpt, PresetOpt, out_console
+from moelab.cli.train import run_training
 from moelab.config import ConfigError, DataError, load_yaml
+from moelab.ladder.fit import NUM_BOOTSTRAP
 from moelab.train.outputs import CONFIG, read_summary
 
 ladder_app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -28,18 +29,12 @@ RecipeArg = Annotated[Optional[Path], typer.Argument(help="A ladder recipe YAML 
 
 
 def _recipe(recipe: Path | None, preset: str | None):
-    from moelab.ladder.rungs import LadderRecipe, load_recipe
+    from moelab.ladder.rungs import load_recipe, preset_recipe
 
     if (recipe is None) == (preset is None):
         raise ConfigError("give exactly one of RECIPE.yaml or --preset NAME, e.g. `moelab ladder plan --preset "
                           "frontier-535b`.")
-    if recipe is not None:
-        return load_recipe(recipe)
-    if preset not in presets.LADDERS:
-        raise ConfigError(f"preset {preset!r} has no published ladder; the presets with one are: "
-                          f"{', '.join(presets.LADDERS)}. Write a recipe YAML for others.")
-    shapes, batch = presets.LADDERS[preset]
-    return LadderRecipe(presets.get(preset), shapes, batch)
+    return load_recipe(recipe) if recipe is not None else preset_recipe(preset)
 
 
 @ladder_app.command()
@@ -69,7 +64,6 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
-    from moelab.cli import run_training
     from moelab.ladder.run import run_ladder
 
     summary = run_ladder(_recipe(recipe, None), out, run_training)
@@ -86,7 +80,7 @@ def fit(
     curves: Annotated[Path, typer.Option(help="CURVES.csv: run,params,step,tokens,lr,loss.")],
     target: Annotated[Path, typer.Option(help="TARGET.csv: run,params,step,tokens,lr (the planned schedule).")],
     out: Annotated[Path, typer.Option(help="PRED.csv to write: target rows + loss_pred,lo80,hi80,lo95,hi95.")],
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples over whole runs.")] = 200,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples over whole runs.")] = NUM_BOOTSTRAP,
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""

@@ -1,21 +1,18 @@
-"""The `moelab` command line: a table of contents of commands.
+"""`moelab presets`, `flops`, `train` and `replan`: one run's config, its cost, training it, re-planning it.
 
     moelab presets                                   list the named configs
     moelab flops --preset frontier-535b --json       parameter counts and training FLOPs
     moelab train --preset tiny --steps 100 --out runs/tiny --set train.lr=1e-3
     moelab train --preset tiny --mesh replica=2,expert=4    expert parallel over 2 x 4 devices
-    moelab demo                                      the demo `make demo` runs
+    moelab replan plan.yaml --event devices_lost:step=1200,count=8
 
-Exit codes: 0 success, 1 a run failed, 2 bad input (one paragraph on stderr naming the field, the
-value and the fix; set MOELAB_DEBUG=1 for the traceback).
+Also the progress bar every command that trains in this process shows (`training_progress`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional, Sequence
@@ -27,110 +24,15 @@ from rich.table import Table
 from rich.text import Text
 
 from moelab import accounting, presets
-from moelab._cli_utils import (EXIT_PREEMPTED, ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console,
-                               resolve_config)
-from moelab.config import ConfigError, DataError, Preempted, RunConfig, load_yaml
-from moelab.lab.cli import lab_app
-from moelab.train.checkpoint import SaveFailed
-from moelab.ladder.cli import ladder_app
+from moelab.cli.common import ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
+from moelab.config import ConfigError, RunConfig, load_yaml, parse_overrides
 
 if TYPE_CHECKING:
     from moelab.train.loop import Watcher
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
-app.add_typer(lab_app, name="lab")
-app.add_typer(ladder_app, name="ladder")
+__all__ = ["presets_cmd", "flops", "train", "replan", "run_training", "training_progress"]
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    err_console.print(f"[yellow]Warning:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
-
-
-def main() -> None:
-    """Entry point: runs the app and turns bad input into exit code 2 with one clear paragraph."""
-    import warnings
-
-    warnings.showwarning = _show_warning
-    _flags_take_no_value()
-    try:
-        code = app(standalone_mode=False)  # returns a typer.Exit's code instead of raising it
-        if code == 130:  # newer typer turns Ctrl-C (outside the training loop's own handler) into this code
-            _aborted()
-        if code:
-            sys.exit(code)
-    except SaveFailed as e:  # the run failed (exit 1), not its input; no traceback: the message says it all
-        err_console.print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(1)
-    except Preempted as e:
-        err_console.print(f"[bold yellow]Preempted:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(EXIT_PREEMPTED)
-    except (ConfigError, DataError) as e:
-        if os.environ.get("MOELAB_DEBUG"):
-            raise
-        # escape: messages name fields like data.domains[code] and values like [6.0, 2.0], which Rich
-        # would otherwise read as markup tags and drop.
-        err_console.print(f"[bold red]Error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        _aborted()
-    except Exception as e:
-        if _is_usage_error(e):
-            _name_the_bad_value(e)
-            e.show()
-            sys.exit(e.exit_code)
-        raise
-
-
-def _name_the_bad_value(e: Exception) -> None:
-    """Add the rejected value to a parameter error: typer's pydantic coercion says what it wanted
-    ("Input should be a valid integer") but not what it got (`--steps ten`)."""
-    errors = getattr(e.__cause__, "errors", None)
-    if callable(errors) and hasattr(e, "message"):
-        given = [err["input"] for err in errors() if "input" in err]
-        if given and repr(given[0]) not in e.message:
-            e.message = f"{e.message} (got {given[0]!r})."
-
-
-def _flags_take_no_value() -> None:
-    """Show boolean flags (`--json`, `--help`) without a value placeholder in help texts.
-
-    typer 0.29 labels them `<bool>`, which reads as if they took a value: `--json true` then
-    passes `true` on as the next argument.
-    """
-    option = getattr(getattr(typer, "core", None), "TyperOption", None)
-    if option is None or getattr(option, "_moelab_flags", False):
-        return
-    display = option.display_type_rich
-
-    def display_type_rich(self, ctx):
-        return None if getattr(self, "is_flag", False) else display(self, ctx)
-
-    option.display_type_rich, option._moelab_flags = display_type_rich, True
-
-
-def _aborted() -> None:
-    """Ctrl-C before or between training steps (the loop saves and exits 75 on its own): exit 130 now.
-
-    A hard exit: interrupted while XLA compiles (loading, tracing), a normal interpreter shutdown
-    crashed in XLA's threads (exit 139). Nothing is being written at that point.
-    """
-    err_console.print("Aborted.")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130)
-
-
-def _is_usage_error(e: Exception) -> bool:
-    """A command-line parsing error (click's, or the copy of click that newer typer releases bundle):
-    it prints its own one-paragraph usage message and carries its exit code (2)."""
-    import click
-
-    bundled = getattr(getattr(typer, "_click", None), "exceptions", None)
-    kinds = (click.ClickException, *((bundled.ClickException,) if bundled else ()))
-    return isinstance(e, kinds)
-
-
-@app.command("presets")
 def presets_cmd(json_out: JsonOpt = False) -> None:
     """List the named configs, one line each."""
     rows = presets.describe()
@@ -143,7 +45,6 @@ def presets_cmd(json_out: JsonOpt = False) -> None:
     out_console.print(table)
 
 
-@app.command()
 def flops(
     config: ConfigArg = None,
     preset: PresetOpt = None,
@@ -166,7 +67,6 @@ def flops(
     out_console.print(table)
 
 
-@app.command()
 def train(
     config: ConfigArg = None,
     preset: PresetOpt = None,
@@ -178,7 +78,8 @@ def train(
                                                                  "(overrides checkpoint.every).")] = None,
     mesh: Annotated[Optional[str], typer.Option(
         help="Device mesh, e.g. replica=2,expert=4: data parallel over replicas, experts sharded over `expert` "
-             "devices (expert > 1 also selects the ep dispatch backend). Sets mesh.replica / mesh.expert.")] = None,
+             "devices. Sets mesh.replica / mesh.expert; expert > 1 also selects dispatch ep unless --set "
+             "model.moe.dispatch is given.")] = None,
     predicted: Annotated[Optional[Path], typer.Option(
         help="A PRED.csv from `moelab ladder run/fit`: check each eval against its 95% band (off_track incidents).")] = None,
 ) -> None:
@@ -192,7 +93,7 @@ def train(
 
     initialize_distributed()  # before anything touches a device; a no-op for one process
     cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed,
-                                                  "checkpoint.every": checkpoint_every, **_mesh_fields(mesh)})
+                                                  "checkpoint.every": checkpoint_every, **_mesh_fields(mesh, sets)})
     watchers = []
     if predicted is not None:
         if not predicted.is_file():
@@ -206,8 +107,9 @@ def train(
         print(json.dumps(summary))
 
 
-def _mesh_fields(spec: str | None) -> dict:
-    """`--mesh replica=2,expert=4` as config overrides; expert > 1 also selects dispatch 'ep'."""
+def _mesh_fields(spec: str | None, sets: list[str] | None) -> dict:
+    """`--mesh replica=2,expert=4` as config overrides. A shortcut: expert > 1 also selects dispatch 'ep',
+    unless `--set model.moe.dispatch=...` names one (RunConfig then says whether the mesh can run it)."""
     if spec is None:
         return {}
     example = "e.g. --mesh replica=2,expert=4"
@@ -222,7 +124,7 @@ def _mesh_fields(spec: str | None) -> dict:
         except ValueError:
             raise ConfigError(f"--mesh {key}={value!r} is invalid: must be an integer >= 1, {example}.") from None
     updates = {f"mesh.{key}": value for key, value in fields.items()}
-    if fields.get("expert", 1) > 1:
+    if fields.get("expert", 1) > 1 and "model.moe.dispatch" not in parse_overrides(sets or []):
         updates["model.moe.dispatch"] = "ep"
     return updates
 
@@ -230,11 +132,11 @@ def _mesh_fields(spec: str | None) -> dict:
 def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = ()) -> dict:
     """Train with a Rich progress bar on stderr (process 0's only, on a multi-host run)."""
     from moelab.parallel import mesh as mesh_lib
-    from moelab.train.loop import train
+    from moelab.train.loop import train as train_run
 
     mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
     with training_progress(cfg) as hooks:
-        return train(cfg, out, hooks, watchers=watchers)
+        return train_run(cfg, out, hooks, watchers=watchers)
 
 
 class _StatusColumn(ProgressColumn):
@@ -296,7 +198,6 @@ def training_progress(cfg: RunConfig):
             progress.stop()
 
 
-@app.command()
 def replan(
     plan: Annotated[Path, typer.Argument(help="The plan: a run config YAML with a `plan` section.")],
     event: Annotated[str, typer.Option(help="What happened, e.g. devices_lost:step=1200,count=8 or "
@@ -328,44 +229,3 @@ def replan(
     out_console.print(result.explanation)
     out_console.print(f"New plan written to {target}{' (it replaced the file there)' if replaced else ''} "
                       f"(train it with `moelab train {target}`).")
-
-
-DEMO_SPEC = Path("experiments/demo.yaml")
-
-
-@app.command()
-def demo(
-    root: Annotated[Path, typer.Option(help="Where the demo's steps, ledger and report go.")] = Path("runs/demo"),
-    spec: Annotated[Path, typer.Option(help="The pre-registered experiment to run.")] = DEMO_SPEC,
-) -> None:
-    """The whole open-lab loop on the embedded data: register, ladder rungs, fit, main run, report.
-
-    Re-running reuses every finished step (seconds); the report states the hypothesis verdict.
-    """
-    from moelab.lab.cli import show_outcomes
-    from moelab.lab.experiment import run_experiment
-    from moelab.lab.ledger import open_ledger
-    from moelab.lab.registry import load_experiment, read_spec_file, register
-    from moelab.lab.report import experiment_verdict, write_report
-
-    if not spec.is_file():
-        raise ConfigError(f"demo spec {spec} does not exist; run `make demo` from the repository root.")
-    os.environ.setdefault("WANDB_SILENT", "true")  # the offline W&B run is written, not narrated
-    ledger = open_ledger(root / "ledger.sqlite", create=True)
-    exp_id = read_spec_file(spec).get("id")
-    try:
-        load_experiment(ledger, exp_id)
-        err_console.print(f"[dim]{exp_id} is already registered in {ledger.path}; reusing it.[/]")
-    except ConfigError:
-        register(ledger, spec)
-        err_console.print(f"Registered {exp_id} in {ledger.path} before running anything.")
-    show_outcomes(exp_id, run_experiment(ledger, exp_id, root, spec_path=spec, progress=training_progress))
-    html = write_report(ledger, exp_id)
-    verdict, value = experiment_verdict(ledger, exp_id)
-    metric = load_experiment(ledger, exp_id).spec.prediction.metric
-    out_console.print(f"Hypothesis verdict: [bold]{verdict.upper()}[/] ({metric} = {value})")
-    out_console.print(f"Report: {html}")
-
-
-if __name__ == "__main__":
-    main()

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markdown import Markdown
 from rich.markup import escape
 from rich.table import Table
 
-from moelab._cli_utils import EXIT_PREEMPTED
+from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOpt, err_console, out_console,
+                               print_problem)
+from moelab.cli.train import training_progress
 from moelab.config import ConfigError
 from moelab.lab import registry
 from moelab.lab.dag import BACKENDS, FAILED, PREEMPTED, SUCCESS
@@ -40,16 +41,9 @@ from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open
 
 lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
                       help="Pre-register, run and audit experiments: the open lab's record.")
-out_console = Console()
-err_console = Console(stderr=True)
-
-DEFAULT_LEDGER = Path("lab/ledger.sqlite")
-LedgerOpt = Annotated[Path, typer.Option("--ledger", envvar="MOELAB_LEDGER", show_default=False,
-                                         help="The ledger file (default: $MOELAB_LEDGER, else lab/ledger.sqlite).")]
 IdArg = Annotated[str, typer.Argument(help="The experiment id, e.g. demo-tiny.", show_default=False)]
 SpecArg = Annotated[Path, typer.Argument(help="An experiment spec YAML, e.g. experiments/demo-spec.yaml.",
                                          show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 MarkdownOpt = Annotated[bool, typer.Option("--markdown", help="Print issue-ready Markdown.")]
 
 
@@ -171,14 +165,12 @@ def verify(
             result["ok"] = check.ok and not head_gone
         print(json.dumps(result))
     elif not check.ok:
-        err_console.print(f"[bold red]Broken:[/] {escape(str(ledger))}: {escape(check.problem)}. The "
-                          f"{check.num_records} records before it check out.", highlight=False, soft_wrap=True)
+        print_problem("Broken", f"{ledger}: {check.problem}. The {check.num_records} records before it check out.")
     elif head_gone:
-        err_console.print(f"[bold red]Head not found:[/] no record of {escape(str(ledger))} has hash "
-                          f"{escape(head)}. The chain is intact but ends elsewhere ({check.num_records} records, head "
-                          f"sha256 {check.head_hash}): rows were cut off the end, or the ledger was rewritten, after "
-                          "that head was published. Restore the ledger from a copy that holds it.",
-                          highlight=False, soft_wrap=True)
+        print_problem("Head not found", f"no record of {ledger} has hash {head}. The chain is intact but ends "
+                      f"elsewhere ({check.num_records} records, head sha256 {check.head_hash}): rows were cut off "
+                      "the end, or the ledger was rewritten, after that head was published. Restore the ledger "
+                      "from a copy that holds it.")
     else:
         out_console.print(f"{escape(str(ledger))}: {check.num_records} records, chain intact. Head sha256 "
                           f"{check.head_hash}", highlight=False, soft_wrap=True)
@@ -223,8 +215,6 @@ def run(
     todo = [f"{p.name} (resume)" if p.action == "resume" else p.name for p in planned if p.action != "skip"]
     err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
                       highlight=False)
-    from moelab.cli import training_progress
-
     # Local steps train in this process and show each one's progress bar; Ray workers train quietly.
     outcomes = run_experiment(book, exp_id, root, spec, backend, progress=training_progress)
     if json_out:
@@ -251,13 +241,13 @@ def show_outcomes(exp_id: str, outcomes: list, table: bool = True) -> None:
     preempted = [o for o in outcomes if o.status == PREEMPTED]
     stopped = ", ".join(f"{o.name} at step {o.preempted_at}" for o in preempted)
     if preempted and not failed:  # nothing is lost: the same command picks up where each one stopped
-        rerun = escape(shlex.join(["moelab", *sys.argv[1:]]))  # a path in it may hold [brackets]
-        err_console.print(f"[bold yellow]Preempted:[/] {stopped}, after saving a checkpoint. Rerun `{rerun}` to "
-                          "resume in place; the steps downstream run then.", highlight=False, soft_wrap=True)
+        rerun = shlex.join(["moelab", *sys.argv[1:]])
+        print_problem("Preempted", f"{stopped}, after saving a checkpoint. Rerun `{rerun}` to resume in place; "
+                      "the steps downstream run then.", style="bold yellow")
         raise typer.Exit(EXIT_PREEMPTED)
     also = f" Preempted (resumes on the next run): {stopped}." if preempted else ""
-    err_console.print(f"[bold red]Failed:[/] {', '.join(failed) or 'blocked steps'}; see step.json in its "
-                      f"directory and `moelab lab show {exp_id}`.{also}", highlight=False)
+    print_problem("Failed", f"{', '.join(failed) or 'blocked steps'}; see step.json in its directory and "
+                  f"`moelab lab show {exp_id}`.{also}")
     raise typer.Exit(1)
 
 

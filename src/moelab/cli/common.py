@@ -1,5 +1,5 @@
-"""What the command modules share: the consoles, option aliases that read the same everywhere, and
-turning `CONFIG.yaml | --preset NAME` plus `--set` overrides into one RunConfig."""
+"""What the command modules share: the consoles, the options that read the same in every command, the
+exit code of a preempted run, and `CONFIG.yaml | --preset NAME` plus `--set` overrides as one RunConfig."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moelab import presets
 from moelab.config import ConfigError, RunConfig, parse_overrides
 
-__all__ = ["out_console", "err_console", "PresetOpt", "ConfigArg", "SetOpt", "JsonOpt", "resolve_config"]
+__all__ = ["out_console", "err_console", "print_problem", "EXIT_PREEMPTED", "PresetOpt", "ConfigArg", "SetOpt",
+           "JsonOpt", "LedgerOpt", "DEFAULT_LEDGER", "resolve_config"]
 
 # Tables keep their columns when piped to a file or another program (Rich would fold them to 80).
 out_console = Console(width=None if sys.stdout.isatty() else 160)  # results
@@ -24,7 +26,18 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal after saving; rerun the 
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="A named config, e.g. tiny (see `moelab presets`).")]
 ConfigArg = Annotated[Optional[Path], typer.Argument(help="A run config YAML (instead of --preset).", show_default=False)]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a field, e.g. --set model.d_model=256 (repeatable).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+DEFAULT_LEDGER = Path("lab/ledger.sqlite")
+LedgerOpt = Annotated[Path, typer.Option("--ledger", envvar="MOELAB_LEDGER", show_default=False,
+                                         help="The ledger file (default: $MOELAB_LEDGER, else lab/ledger.sqlite).")]
+
+
+def print_problem(label: str, message: str, style: str = "bold red") -> None:
+    """`Label: message` as one unwrapped paragraph on stderr (an error, a warning, a preemption). The message is
+    escaped: it names fields like data.domains[code] and values like [6.0, 2.0], which Rich would otherwise
+    read as markup tags and drop."""
+    err_console.print(f"[{style}]{label}:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, **fields) -> RunConfig:
