@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab import accounting, presets
-from moelab.config import ConfigError, MeshConfig, RunConfig
+from moelab.config import MeshConfig, RunConfig
+from moelab.errors import ConfigError
 from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.loop import compute_dtype, make_train_step

@@ -10,7 +10,8 @@ import pytest
 from helpers import assert_same_run, run_cli, train_args
 
 from moelab import presets
-from moelab.config import ConfigError, override
+from moelab.config import override
+from moelab.errors import ConfigError
 from moelab.cli.common import resolve_config
 from moelab.train.loop import train
 from moelab.train.outputs import read_jsonl_until

@@ -7,21 +7,8 @@ import typing
 import pytest
 
 from moelab import accounting, presets
-from moelab.config import (
-    ConfigError,
-    ModelConfig,
-    MoEConfig,
-    PhaseConfig,
-    RunConfig,
-    TrainConfig,
-    changed_fields,
-    dump_yaml,
-    from_dict,
-    load_yaml,
-    override,
-    parse_overrides,
-    to_dict,
-)
+from moelab.config import (ModelConfig, MoEConfig, PhaseConfig, RunConfig, TrainConfig, changed_fields, dump_yaml, from_dict, load_yaml, override, parse_overrides, to_dict)
+from moelab.errors import ConfigError
 
 
 @pytest.mark.parametrize(

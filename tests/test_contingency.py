@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from moelab.config import ConfigError, RunConfig, dump_yaml, load_yaml, override
+from moelab.config import RunConfig, dump_yaml, load_yaml, override
+from moelab.errors import ConfigError
 from moelab.data.mixture import phase_boundaries
 from moelab.train.contingency import (
     EARLY_FRACTION,

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moelab.config import DataConfig, DataError, DomainConfig, PhaseConfig
+from moelab.config import DataConfig, DomainConfig, PhaseConfig
+from moelab.errors import DataError
 from moelab.data.mixture import (
     Batch,
     Corpus,

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error
-from moelab.config import ConfigError, ModelConfig, MoEConfig
+from moelab.config import ModelConfig, MoEConfig
+from moelab.errors import ConfigError
 from moelab.model import dispatch as dispatch_lib
 from moelab.model import grouped_matmul, moe, transformer
 from moelab.model.router import route

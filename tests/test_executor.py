@@ -20,7 +20,7 @@ import yaml
 
 from helpers import run_cli
 
-from moelab.config import ConfigError, Preempted
+from moelab.errors import ConfigError, Preempted
 from moelab.lab.dag import FAILED, PREEMPTED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
 from moelab.lab.ledger import append, open_ledger, records, verify
 

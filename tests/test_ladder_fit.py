@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from moelab.config import ConfigError, DataError
+from moelab.errors import ConfigError, DataError
 from moelab.ladder.fit import (
     ChinchillaFit,
     CurveBootstrap,

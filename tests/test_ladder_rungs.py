@@ -9,7 +9,8 @@ import pytest
 from helpers import run_cli
 
 from moelab import accounting, presets
-from moelab.config import ConfigError, load_yaml, override
+from moelab.config import load_yaml, override
+from moelab.errors import ConfigError
 from moelab.ladder.predict import load_on_track
 from moelab.ladder.rungs import LadderRecipe, preset_recipe, rungs_of
 from moelab.presets import make_rung, scale_model, tokens_per_active_param

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import run_cli
 
-from moelab.config import ConfigError
+from moelab.errors import ConfigError
 from moelab.lab.ledger import (GENESIS_HASH, ChainBroken, DuplicateRecord, append, canonical_json, open_ledger,
                                record_hash, records, verify)
 

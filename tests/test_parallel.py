@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error, run_cli
 from moelab import presets
-from moelab.config import ConfigError, MeshConfig, ModelConfig, MoEConfig, load_yaml, override
+from moelab.config import MeshConfig, ModelConfig, MoEConfig, load_yaml, override
+from moelab.errors import ConfigError
 from moelab.data.mixture import phase_at, sample_batch
 from moelab.model import dispatch as dispatch_lib
 from moelab.model import moe, transformer

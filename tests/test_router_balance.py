@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moelab.config import ConfigError, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from moelab.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
+from moelab.errors import ConfigError
 from moelab.model import router, transformer
 from moelab.train.loop import _jsonable, make_train_step
 from moelab.train.state import init_state

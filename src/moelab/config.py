@@ -20,10 +20,9 @@ from typing import Any
 
 import yaml
 
+from moelab.errors import ConfigError
+
 __all__ = [
-    "ConfigError",
-    "DataError",
-    "Preempted",
     "MoEConfig",
     "ModelConfig",
     "DomainConfig",
@@ -44,23 +43,6 @@ __all__ = [
     "override",
     "parse_overrides",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the fix."""
-
-
-class DataError(ValueError):
-    """Input data is missing, empty or malformed; the message names the file and the fix."""
-
-
-class Preempted(Exception):
-    """Training stopped on SIGTERM / SIGINT after saving a checkpoint; rerun the same command to resume."""
-
-    def __init__(self, step: int, path: Path):
-        super().__init__(f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume.")
-        self.step = step
-        self.path = Path(path)
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

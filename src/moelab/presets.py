@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from moelab.accounting import count_params, flops_per_token, train_tokens
-from moelab.config import (ConfigError, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, from_dict,
-                           load_yaml, override)
+from moelab.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, from_dict, load_yaml, override
+from moelab.errors import ConfigError
 
 __all__ = ["PRESETS", "FRONTIER_LADDER", "LADDERS", "GPU_VOCAB", "EVALS_PER_RUN", "dense_counterpart", "get",
            "describe", "resolve", "scale_model", "tokens_per_active_param", "make_rung"]

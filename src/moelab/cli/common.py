@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from moelab import presets
-from moelab.config import ConfigError, RunConfig, parse_overrides
+from moelab.config import RunConfig, parse_overrides
+from moelab.errors import ConfigError
 
 __all__ = ["out_console", "err_console", "print_problem", "EXIT_PREEMPTED", "PresetOpt", "ConfigArg", "SetOpt",
            "JsonOpt", "LedgerOpt", "DEFAULT_LEDGER", "resolve_config"]

@@ -15,7 +15,7 @@ import typer
 from moelab.cli.common import err_console, out_console
 from moelab.cli.lab import show_outcomes
 from moelab.cli.train import training_progress
-from moelab.config import ConfigError
+from moelab.errors import ConfigError
 from moelab.lab.demo import open_demo, run_demo
 
 __all__ = ["demo"]

@@ -33,7 +33,7 @@ from rich.table import Table
 from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOpt, err_console, out_console,
                                print_problem)
 from moelab.cli.train import training_progress
-from moelab.config import ConfigError
+from moelab.errors import ConfigError
 from moelab.lab import registry
 from moelab.lab.dag import BACKENDS, FAILED, PREEMPTED, SUCCESS
 from moelab.lab.experiment import plan_experiment, run_experiment

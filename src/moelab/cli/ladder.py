@@ -17,8 +17,9 @@ from rich.table import Table
 
 from moelab.cli.common import JsonOpt, PresetOpt, out_console
 from moelab.cli.train import run_training
-from moelab.config import ConfigError, DataError, load_yaml
-from moelab.ladder.fit import NUM_BOOTSTRAP
+from moelab.config import load_yaml
+from moelab.errors import ConfigError, DataError
+from moelab.ladder import NUM_BOOTSTRAP
 from moelab.train.outputs import CONFIG, read_summary
 
 ladder_app = typer.Typer(no_args_is_help=True, add_completion=False,

@@ -22,8 +22,7 @@ from moelab.cli.demo import demo
 from moelab.cli.lab import lab_app
 from moelab.cli.ladder import ladder_app
 from moelab.cli.train import flops, presets_cmd, replan, train
-from moelab.config import ConfigError, DataError, Preempted
-from moelab.train.checkpoint import SaveFailed
+from moelab.errors import ConfigError, DataError, Preempted, SaveFailed
 
 __all__ = ["app", "main"]
 

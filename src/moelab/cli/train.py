@@ -25,7 +25,8 @@ from rich.text import Text
 
 from moelab import accounting, presets
 from moelab.cli.common import ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
-from moelab.config import ConfigError, RunConfig, load_yaml, parse_overrides
+from moelab.config import RunConfig, load_yaml, parse_overrides
+from moelab.errors import ConfigError
 
 if TYPE_CHECKING:
     from moelab.train.loop import Watcher

@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moelab.config import DataConfig, DataError, PhaseConfig, RunConfig
+from moelab.config import DataConfig, PhaseConfig, RunConfig
+from moelab.errors import DataError
 from moelab.data.sources import load_documents
 from moelab.data.tokenizer import Tokenizer, build_tokenizer
 

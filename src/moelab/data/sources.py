@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.config import DataError, DomainConfig
+from moelab.config import DomainConfig
+from moelab.errors import DataError
 
 __all__ = ["load_documents", "stdlib_python_files"]
 

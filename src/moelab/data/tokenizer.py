@@ -15,7 +15,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from moelab.config import DataConfig, DataError
+from moelab.config import DataConfig
+from moelab.errors import DataError
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "build_tokenizer", "EOS_TOKENS"]
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from moelab.config import ConfigError, Preempted
+from moelab.errors import ConfigError, Preempted
 from moelab.lab.ledger import canonical_json
 
 __all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moelab.config import ConfigError
+from moelab.errors import ConfigError
 from moelab.lab.dag import SUCCESS, StepOutcome
 from moelab.lab.experiment import Progress, run_experiment
 from moelab.lab.ledger import Ledger, open_ledger

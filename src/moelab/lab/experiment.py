@@ -83,7 +83,7 @@ def fit_ladder(ctx: StepContext) -> dict:
 def ladder_steps(spec: Spec) -> list[Step]:
     """rungs -> fit -> the main run ("train"), watched against the fit's predicted band."""
     # SciPy (the fit) loads for a ladder spec only, not with every `moelab lab` command.
-    from moelab.ladder.fit import NUM_BOOTSTRAP
+    from moelab.ladder import NUM_BOOTSTRAP
     from moelab.ladder.run import plan_ladder
 
     rung_configs, target = plan_ladder(recipe_from_data(spec.ladder, f"experiment {spec.id}: ladder"))

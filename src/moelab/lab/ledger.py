@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from moelab.config import ConfigError
+from moelab.errors import ConfigError
 
 __all__ = ["KINDS", "GENESIS_HASH", "MIN_HASH_PREFIX", "Ledger", "Record", "ChainCheck", "DuplicateRecord",
            "ChainBroken", "canonical_json", "record_hash", "open_ledger", "append", "records", "verify", "check_chain",

@@ -40,7 +40,8 @@ from typing import Any
 import yaml
 
 from moelab import presets
-from moelab.config import ConfigError, RunConfig, changed_fields, read_yaml
+from moelab.config import RunConfig, changed_fields, read_yaml
+from moelab.errors import ConfigError
 from moelab.lab.ledger import DuplicateRecord, Ledger, Record, append, canonical_json, records
 
 __all__ = ["Prediction", "Spec", "Experiment", "read_spec_file", "parse_spec", "spec_hash", "resolve_run_config",

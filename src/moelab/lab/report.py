@@ -33,7 +33,7 @@ matplotlib.use("Agg")  # headless: no display, and no backend guessing on a CI b
 import matplotlib.pyplot as plt
 import numpy as np
 
-from moelab.config import ConfigError
+from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import Experiment, Prediction, load_experiment
 from moelab.train.outputs import CONFIG, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl, read_summary

@@ -67,7 +67,8 @@ from typing import Callable, Sequence
 import numpy as np
 from scipy import optimize, signal, special
 
-from moelab.config import DataError
+from moelab.errors import DataError
+from moelab.ladder import NUM_BOOTSTRAP
 
 __all__ = [
     "EnvelopeFit",
@@ -88,10 +89,8 @@ __all__ = [
     "curve_losses",
     "fit_curve_law",
     "bootstrap_curve_law",
-    "NUM_BOOTSTRAP",
 ]
 
-NUM_BOOTSTRAP = 200  # refits behind a band: enough that the 2.5% / 97.5% quantiles rest on ~5 refits each
 
 # The L-BFGS-B stopping rule is relative to max(|f|, 1): with objectives far below 1 (a Huber sum at
 # delta = 1e-3 is ~1e-3 per point) the default ftol stops after a step or two. Besiroglu et al. 2024

@@ -42,9 +42,10 @@ import numpy as np
 from scipy import signal, special
 
 from moelab.accounting import count_params
-from moelab.config import ConfigError, DataError, RunConfig
+from moelab.config import RunConfig
+from moelab.errors import ConfigError, DataError
+from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.fit import (
-    NUM_BOOTSTRAP,
     CurveBootstrap,
     CurveLaw,
     EnvelopeFit,

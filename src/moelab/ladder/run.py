@@ -28,7 +28,7 @@ from typing import Callable
 
 from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
-from moelab.ladder.fit import NUM_BOOTSTRAP
+from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.predict import fit_curves
 from moelab.ladder.rungs import LadderRecipe, check_monotone, rungs_of
 from moelab.presets import EVALS_PER_RUN

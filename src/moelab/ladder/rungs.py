@@ -22,7 +22,8 @@ from pathlib import Path
 
 from moelab import presets
 from moelab.accounting import count_params, flops_per_token, train_tokens
-from moelab.config import ConfigError, RunConfig, read_yaml
+from moelab.config import RunConfig, read_yaml
+from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
 __all__ = ["LadderRecipe", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",

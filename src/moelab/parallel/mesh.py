@@ -35,7 +35,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from moelab.config import ConfigError, MeshConfig
+from moelab.config import MeshConfig
+from moelab.errors import ConfigError
 
 __all__ = [
     "AXES",

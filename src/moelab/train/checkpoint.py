@@ -41,23 +41,17 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
-from moelab.config import CheckpointConfig, ConfigError
+from moelab.config import CheckpointConfig
+from moelab.errors import ConfigError, SaveFailed
 from moelab.parallel import mesh as mesh_lib
 
-__all__ = ["CheckpointWarning", "SaveFailed", "Restored", "Checkpointer"]
+__all__ = ["CheckpointWarning", "Restored", "Checkpointer"]
 
 MANIFEST = "moelab_manifest.json"
 
 
 class CheckpointWarning(UserWarning):
     """A checkpoint on disk was skipped because it is incomplete or corrupted."""
-
-
-class SaveFailed(RuntimeError):
-    """Writing a checkpoint (or a run file) failed: a full disk, a file-size limit, a lost mount.
-
-    The message names what failed and the last good checkpoint, which a rerun resumes from.
-    """
 
 
 class Restored(NamedTuple):

@@ -38,7 +38,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from moelab.config import ConfigError, RunConfig, TrainConfig
+from moelab.config import RunConfig, TrainConfig
+from moelab.errors import ConfigError
 from moelab.data.mixture import phase_boundaries
 from moelab.train.schedule import decay_start, warmup_steps
 

@@ -35,14 +35,15 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moelab.config import ConfigError, Preempted, RunConfig, changed_fields, load_yaml, to_dict
+from moelab.config import RunConfig, changed_fields, load_yaml, to_dict
+from moelab.errors import ConfigError, Preempted, SaveFailed
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import decode, router, transformer
 from moelab.model.dispatch import Dispatch
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train import outputs
-from moelab.train.checkpoint import Checkpointer, SaveFailed
+from moelab.train.checkpoint import Checkpointer
 from moelab.train.monitor import Incident, Monitor, group_norms, router_bias_norms
 from moelab.train.outputs import Sink
 from moelab.train.schedule import learning_rate

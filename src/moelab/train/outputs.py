@@ -30,7 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from moelab.config import ConfigError, RunConfig, dump_yaml
+from moelab.config import RunConfig, dump_yaml
+from moelab.errors import ConfigError
 
 __all__ = ["CONFIG", "METRICS", "INCIDENTS", "MIXTURE_LOG", "SAMPLES", "ROUTER_LOAD", "RESUMES", "SUMMARY",
            "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
