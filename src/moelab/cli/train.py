@@ -166,7 +166,7 @@ def training_progress(cfg: RunConfig):
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeRemainingColumn(), _StatusColumn(), console=err_console, transient=False,
                         disable=not mesh_lib.is_writer())
-    task = None
+    task, staging = None, False  # staging: a stage's status shows until the first step ends it
 
     def bar():
         nonlocal task
@@ -176,6 +176,8 @@ def training_progress(cfg: RunConfig):
         return task
 
     def on_stage(name: str) -> None:
+        nonlocal staging
+        staging = True
         progress.update(bar(), status=name, since=time.monotonic())
 
     def on_resume(step: int, path: Path) -> None:
@@ -183,10 +185,14 @@ def training_progress(cfg: RunConfig):
         progress.update(bar(), completed=step)
 
     def on_log(record: dict) -> None:
+        nonlocal staging
+        staging = False
         progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s", since=None)
 
     def on_step(done: int) -> None:
-        if progress.tasks and progress.tasks[0].fields.get("since") is not None:  # the first step ends a stage
+        nonlocal staging
+        if staging:
+            staging = False
             progress.update(bar(), completed=done, status="training", since=None)
         else:
             progress.update(bar(), completed=done)

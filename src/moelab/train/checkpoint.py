@@ -79,19 +79,15 @@ def _quiet_orbax():
         try:
             yield
         except BaseException:
-            failed = True
             _until_quiet(held)
             raise
-        else:
-            failed = False
         finally:
             sys.stderr.flush()
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
             logger.setLevel(level)
-            if not failed:
-                held.seek(0)
-                os.write(2, held.read())
+        held.seek(0)  # reached only when the save succeeded
+        os.write(2, held.read())
 
 
 def _until_quiet(held, settle_s: float = 0.5, most_s: float = 5.0) -> None:
