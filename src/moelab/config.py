@@ -38,6 +38,8 @@ __all__ = [
     "to_dict",
     "read_yaml",
     "load_yaml",
+    "resolve_data_paths",
+    "read_data_yaml",
     "dump_yaml",
     "changed_fields",
     "override",
@@ -227,19 +229,28 @@ class ModelConfig:
 EMBEDDED_DOMAINS = ("code", "prose", "arithmetic")
 
 
+DOMAIN_KINDS = ("embedded", "files", "store")
+
+
 @dataclass(frozen=True)
 class DomainConfig:
-    """One data domain: an embedded one (`code`, `prose`, `arithmetic`) or the user's files."""
+    """One data domain: an embedded one (`code`, `prose`, `arithmetic`), the user's files, or a prepared store's.
+
+    `store` (or `data.store` for every domain) trains on the domain's tokens in a token store written by
+    `moelab data prepare` instead of reading and tokenizing its sources at start-up; `kind: store` names a
+    domain that exists only in a store.
+    """
 
     name: str
-    kind: str = "embedded"  # "embedded" or "files"
-    paths: tuple[str, ...] = ()  # .txt / .jsonl (a "text" field) / .parquet (a "text" column)
+    kind: str = "embedded"  # "embedded", "files" or "store"
+    paths: tuple[str, ...] = ()  # .txt / .jsonl (a "text" field) / .parquet (a "text" column), globs, .gz / .zst
+    store: str | None = None  # a token store (local path or s3:// / gs:// URL) holding this domain
 
     def __post_init__(self) -> None:
-        _one_of(f"data.domains[{self.name}].kind", self.kind, ("embedded", "files"))
+        _one_of(f"data.domains[{self.name}].kind", self.kind, DOMAIN_KINDS)
         if self.kind == "embedded":
             _one_of(f"data.domains[{self.name}].name", self.name, EMBEDDED_DOMAINS)
-        else:
+        elif self.kind == "files":
             _check(len(self.paths) > 0, f"data.domains[{self.name}].paths", self.paths, "list at least one file")
 
 
@@ -270,12 +281,16 @@ def _default_domains() -> tuple[DomainConfig, ...]:
     return tuple(DomainConfig(name) for name in EMBEDDED_DOMAINS)
 
 
-def _default_phases() -> tuple[PhaseConfig, ...]:
-    # Pre-training favours code and prose; mid-training shifts weight toward arithmetic (design §3b).
-    return (
-        PhaseConfig("pretrain", 0.8, {"code": 0.45, "prose": 0.45, "arithmetic": 0.10}),
-        PhaseConfig("midtrain", 0.2, {"code": 0.25, "prose": 0.25, "arithmetic": 0.50}),
-    )
+def _default_phases(domains: tuple[DomainConfig, ...]) -> tuple[PhaseConfig, ...]:
+    """The phases of a data section that lists none: the embedded mixture for the embedded domains, else one
+    phase with equal weights (so your own domains need no phases to start with)."""
+    if tuple(d.name for d in domains) == EMBEDDED_DOMAINS:
+        # Pre-training favours code and prose; mid-training shifts weight toward arithmetic (design §3b).
+        return (
+            PhaseConfig("pretrain", 0.8, {"code": 0.45, "prose": 0.45, "arithmetic": 0.10}),
+            PhaseConfig("midtrain", 0.2, {"code": 0.25, "prose": 0.25, "arithmetic": 0.50}),
+        )
+    return (PhaseConfig("pretrain", 1.0, {d.name: 1.0 for d in domains}),)
 
 
 @dataclass(frozen=True)
@@ -283,12 +298,13 @@ class DataConfig:
     """Where tokens come from: domains, the tokenizer, phases with mixture weights, held-out split."""
 
     domains: tuple[DomainConfig, ...] = field(default_factory=_default_domains)
-    phases: tuple[PhaseConfig, ...] = field(default_factory=_default_phases)
+    phases: tuple[PhaseConfig, ...] = ()  # none given: `_default_phases(domains)`
     tokenizer: str = "byte"  # "byte", "bpe" (train one on the sources) or a path to tokenizer.json
     bpe_vocab_size: int = 1024  # only with tokenizer="bpe"
     heldout_fraction: float = 0.1  # share of each domain's documents held out for eval
     max_bytes_per_domain: int = 4_000_000  # caps each embedded domain (not user files) so start-up stays fast
     seed: int = 0  # the content of generated data (the arithmetic domain); train.seed is init and data order
+    store: str | None = None  # a token store (`moelab data prepare`) every domain without its own `store` reads
 
     def __post_init__(self) -> None:
         _finite_floats(self, "data.")
@@ -296,7 +312,15 @@ class DataConfig:
         names = [d.name for d in self.domains]
         _check(len(names) > 0, "data.domains", names, "list at least one domain")
         _check(len(set(names)) == len(names), "data.domains", names, "domain names must be unique")
-        _check(len(self.phases) > 0, "data.phases", self.phases, "list at least one phase")
+        if not self.phases:
+            object.__setattr__(self, "phases", _default_phases(self.domains))
+        for d in self.domains:
+            _check(d.kind != "store" or d.store or self.store, f"data.domains[{d.name}].store", d.store,
+                   "a domain of kind 'store' needs a store: set its store, or data.store, to a prepared token store")
+        from_store = [d.name for d in self.domains if d.store or self.store]
+        _check(not from_store or len(from_store) == len(names), "data.domains",
+               f"{from_store} from a store, the rest not", "either every domain reads a token store (all share its "
+               "tokenizer) or none does; prepare the others into a store too (`moelab data prepare`)")
         total = sum(ph.fraction for ph in self.phases)
         _check(math.isclose(total, 1.0, abs_tol=1e-6), "data.phases", [ph.fraction for ph in self.phases],
                "phase fractions must sum to 1")
@@ -587,8 +611,57 @@ def read_yaml(path: str | Path, kind: str, instead: str) -> Any:
 
 
 def load_yaml(path: str | Path) -> RunConfig:
-    """Read a RunConfig from YAML; a missing file or bad syntax raises ConfigError naming the file."""
-    return from_dict(read_yaml(path, "config", "pass a YAML file or --preset NAME"))
+    """Read a RunConfig from YAML; a missing file or bad syntax raises ConfigError naming the file.
+
+    Relative data paths (sources, stores, a tokenizer.json) are read against the YAML file's folder.
+    """
+    data = read_yaml(path, "config", "pass a YAML file or --preset NAME")
+    if isinstance(data, dict) and isinstance(data.get("data"), dict):
+        data = {**data, "data": resolve_data_paths(data["data"], Path(path).parent)}
+    return from_dict(data)
+
+
+def read_data_yaml(path: str | Path) -> dict:
+    """The data section in the YAML file `path` (a `data:` mapping, or the section's fields at the top level),
+    complete and checked, with relative paths read against the file's folder: `--data FILE` puts it in place
+    of a preset's."""
+    data = read_yaml(path, "data", "pass a YAML file holding a data section (see the README's Data section)")
+    if isinstance(data, dict) and set(data) == {"data"}:
+        data = data["data"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"data file {path} must hold a mapping (data: {{domains: [...], phases: [...]}}), got "
+                          f"{type(data).__name__}.")
+    return to_dict(_build(DataConfig, resolve_data_paths(data, Path(path).parent), "data"))
+
+
+def _against(value: Any, folder: Path) -> Any:
+    """`value` (a path, a glob or a URL) read against `folder` when it is a relative local path."""
+    if not isinstance(value, str) or "://" in value or value.startswith("hf:") or Path(value).is_absolute():
+        return value
+    return str(folder / value)
+
+
+def resolve_data_paths(data: dict, folder: Path) -> dict:
+    """A plain `data` section with its relative paths (domain paths and stores, data.store, a tokenizer.json)
+    made relative to `folder`, the folder of the YAML file they were written in."""
+    data = dict(data)
+    folder = folder.absolute()
+    if isinstance(data.get("tokenizer"), str) and data["tokenizer"].endswith(".json"):
+        data["tokenizer"] = _against(data["tokenizer"], folder)
+    if "store" in data:
+        data["store"] = _against(data["store"], folder)
+    if isinstance(data.get("domains"), list):
+        domains = []
+        for domain in data["domains"]:
+            if isinstance(domain, dict):
+                domain = dict(domain)
+                if isinstance(domain.get("paths"), list):
+                    domain["paths"] = [_against(p, folder) for p in domain["paths"]]
+                if "store" in domain:
+                    domain["store"] = _against(domain["store"], folder)
+            domains.append(domain)
+        data["domains"] = domains
+    return data
 
 
 def dump_yaml(cfg: Any) -> str:
@@ -626,9 +699,20 @@ def changed_fields(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+def _phases_name_dropped_domains(phases: list[dict], overrides: dict[str, Any]) -> bool:
+    """Whether `--set data.domains=[...]` (without new phases) leaves `phases` naming domains that are gone."""
+    domains = overrides.get("data.domains")
+    if not isinstance(domains, list) or any(k.startswith("data.phases") for k in overrides):
+        return False
+    names = {d.get("name") for d in domains if isinstance(d, dict)}
+    return any(name not in names for phase in phases for name in phase["weights"])
+
+
 def override(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     """Apply dotted overrides (`{"model.moe.num_experts": 16}`) and re-validate the whole config."""
     data = to_dict(cfg)
+    if _phases_name_dropped_domains(data["data"]["phases"], overrides):
+        data["data"]["phases"] = []  # your own domains and no phases: the old ones (a preset's) named other domains
     for key, value in overrides.items():
         node = data
         parts = key.split(".")

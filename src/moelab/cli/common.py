@@ -3,6 +3,7 @@ exit code of a preempted run, and `CONFIG.yaml | --preset NAME` plus `--set` ove
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,11 +13,11 @@ from rich.console import Console
 from rich.markup import escape
 
 from moelab import presets
-from moelab.config import RunConfig, parse_overrides
+from moelab.config import DataConfig, RunConfig, from_dict, parse_overrides, read_data_yaml, resolve_data_paths, to_dict
 from moelab.errors import ConfigError
 
 __all__ = ["out_console", "err_console", "print_problem", "EXIT_PREEMPTED", "PresetOpt", "ConfigArg", "SetOpt",
-           "JsonOpt", "LedgerOpt", "DEFAULT_LEDGER", "resolve_config"]
+           "JsonOpt", "DataOpt", "LedgerOpt", "DEFAULT_LEDGER", "resolve_config"]
 
 # Tables keep their columns when piped to a file or another program (Rich would fold them to 80).
 out_console = Console(width=None if sys.stdout.isatty() else 160)  # results
@@ -41,10 +42,20 @@ def print_problem(label: str, message: str, style: str = "bold red") -> None:
     err_console.print(f"[{style}]{label}:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, **fields) -> RunConfig:
-    """The run config from exactly one of a YAML file or a preset, with `--set` and flag `fields` applied."""
+DataOpt = Annotated[Optional[Path], typer.Option(
+    "--data", help="A YAML data section (domains, phases, tokenizer, store) in place of the config's; its relative "
+                   "paths are read against its folder.", show_default=False)]
+
+
+def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, data: Path | None = None,
+                   **fields) -> RunConfig:
+    """The run config from exactly one of a YAML file or a preset, with `--data`, `--set` and flag `fields` applied."""
     if (config is None) == (preset is None):
         raise ConfigError("give exactly one of CONFIG.yaml or --preset NAME, e.g. `moelab train --preset tiny`.")
-    updates = parse_overrides(sets or [])
+    updates = {"data": read_data_yaml(data)} if data is not None else {}
+    updates.update(parse_overrides(sets or []))
     updates.update({k: v for k, v in fields.items() if v is not None})
-    return presets.resolve(Path(config) if config is not None else preset, updates)
+    cfg = presets.resolve(Path(config) if config is not None else preset, updates)
+    # Paths given on the command line (--set data.store=...) mean the shell's folder: pin them, so the run's
+    # config.yaml reads back the same from anywhere.
+    return dataclasses.replace(cfg, data=from_dict(resolve_data_paths(to_dict(cfg.data), Path.cwd()), DataConfig))

@@ -2,6 +2,7 @@
 
     moelab presets | flops | train | replan        one run (cli/train.py)
     moelab demo                                    the open-lab loop `make demo` runs (cli/demo.py)
+    moelab data ...                                token stores: prepare, show (cli/data.py)
     moelab lab ...                                 pre-registered experiments (cli/lab.py)
     moelab ladder ...                              scaling ladders (cli/ladder.py)
 
@@ -18,6 +19,7 @@ import sys
 import typer
 
 from moelab.cli.common import EXIT_PREEMPTED, err_console, print_problem
+from moelab.cli.data import data_app
 from moelab.cli.demo import demo
 from moelab.cli.lab import lab_app
 from moelab.cli.ladder import ladder_app
@@ -29,6 +31,7 @@ __all__ = ["app", "main"]
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
 app.add_typer(lab_app, name="lab")
 app.add_typer(ladder_app, name="ladder")
+app.add_typer(data_app, name="data")
 app.command("presets")(presets_cmd)
 app.command()(flops)
 app.command()(train)

@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moelab import accounting, presets
-from moelab.cli.common import ConfigArg, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
+from moelab.cli.common import ConfigArg, DataOpt, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
 from moelab.config import RunConfig, load_yaml, parse_overrides
 from moelab.errors import ConfigError
 
@@ -83,6 +83,7 @@ def train(
              "model.moe.dispatch is given.")] = None,
     predicted: Annotated[Optional[Path], typer.Option(
         help="A PRED.csv from `moelab ladder run/fit`: check each eval against its 95% band (off_track incidents).")] = None,
+    data: DataOpt = None,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
 
@@ -93,7 +94,7 @@ def train(
     from moelab.parallel.mesh import initialize_distributed, is_writer
 
     initialize_distributed()  # before anything touches a device; a no-op for one process
-    cfg = resolve_config(config, preset, sets, **{"train.steps": steps, "train.seed": seed,
+    cfg = resolve_config(config, preset, sets, data, **{"train.steps": steps, "train.seed": seed,
                                                   "checkpoint.every": checkpoint_every, **_mesh_fields(mesh, sets)})
     watchers = []
     if predicted is not None:

@@ -5,7 +5,9 @@ documents, each followed by eos). `phase_at` says which phase, and so which doma
 under. `sample_batch` draws a batch from those weights that depends only on (seed, step), so a resumed run
 reproduces the uninterrupted one; `eval_batches` gives fixed held-out windows; `unigram_entropy` is the loss a
 model that ignores context would reach, the bar a trained model must beat. `MixtureLog` publishes the
-mixture as training goes (the run's `mixture_log.jsonl`).
+mixture as training goes (the run's `mixture_log.jsonl`). With `data.store` (or a domain's own `store`) the
+streams are memory-mapped from token stores prepared by `moelab data prepare` (`moelab.data.store`): same
+sampler, same semantics, and neither memory nor start-up grows with the corpus.
 
     corpus = build_corpus(cfg.data)                  # generated content from data.seed, not train.seed
     _, phase = phase_at(cfg.data, step, cfg.train.steps)
@@ -15,6 +17,8 @@ mixture as training goes (the run's `mixture_log.jsonl`).
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ import numpy as np
 from moelab.config import DataConfig, PhaseConfig, RunConfig
 from moelab.errors import DataError
 from moelab.data.sources import load_documents
+from moelab.data.store import Store, TokenStream, open_store
 from moelab.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
@@ -57,9 +62,10 @@ class Corpus:
     """Token streams per domain: each document's tokens followed by eos, concatenated in document order."""
 
     domains: tuple[str, ...]
-    train: dict[str, np.ndarray]  # int32 [num_train_tokens]
-    heldout: dict[str, np.ndarray]  # int32 [num_heldout_tokens]
+    train: dict[str, np.ndarray | TokenStream]  # int32 [num_train_tokens]; memory-mapped from a token store
+    heldout: dict[str, np.ndarray | TokenStream]  # int32 [num_heldout_tokens]
     tokenizer: Tokenizer
+    provenance: dict | None = None  # from token stores: `store_hash` and each store's `Store.summary()`
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +100,8 @@ def build_corpus(cfg: DataConfig) -> Corpus:
     Raises:
         DataError: a domain has fewer than two documents, or its files are bad (see `load_documents`).
     """
+    if cfg.store or any(d.store for d in cfg.domains):
+        return _corpus_from_stores(cfg)
     train_docs: dict[str, list[str]] = {}
     heldout_docs: dict[str, list[str]] = {}
     for domain in cfg.domains:
@@ -111,6 +119,44 @@ def build_corpus(cfg: DataConfig) -> Corpus:
         heldout={name: _tokenize(tokenizer, docs) for name, docs in heldout_docs.items()},
         tokenizer=tokenizer,
     )
+
+
+def _corpus_from_stores(cfg: DataConfig) -> Corpus:
+    """The corpus memory-mapped from the token stores the domains name (`data.store` or their own `store`).
+
+    Every store must carry the same tokenizer, of the kind `data.tokenizer` names. `provenance.store_hash` is
+    the one store's content hash, or with several stores a hash of each domain's store hash.
+
+    Raises:
+        DataError: a store is missing, incomplete, damaged or lacks a domain; the stores' tokenizers differ.
+    """
+    opened: dict[str, Store] = {}
+    train, heldout = {}, {}
+    for domain in cfg.domains:
+        location = domain.store or cfg.store
+        if location not in opened:
+            opened[location] = open_store(location)
+        store = opened[location]
+        train[domain.name], heldout[domain.name] = store.streams(domain.name)
+    hashes = {location: store.manifest["files"].get("tokenizer.json", {}).get("sha256", "byte")
+              for location, store in opened.items()}
+    if len(set(hashes.values())) > 1:
+        raise DataError(f"the token stores {', '.join(opened)} were prepared with different tokenizers; prepare every "
+                        "domain with one tokenizer (one data.tokenizer, or the same tokenizer.json).")
+    store = next(iter(opened.values()))
+    kind = store.manifest["tokenizer"]["kind"]
+    if (kind == "byte") != (cfg.tokenizer == "byte"):
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r}, but the token store {store.location} was prepared with "
+                        f"{'the byte tokenizer' if kind == 'byte' else 'a Hugging Face tokenizer (its tokenizer.json)'}; "
+                        "set data.tokenizer as it was when the store was prepared.")
+    if len(opened) == 1:
+        store_hash = store.store_hash
+    else:
+        per_domain = {d.name: opened[d.store or cfg.store].store_hash for d in cfg.domains}
+        store_hash = hashlib.sha256(json.dumps(per_domain, sort_keys=True).encode()).hexdigest()
+    provenance = {"store_hash": store_hash, "stores": [s.summary() for s in opened.values()]}
+    return Corpus(domains=tuple(d.name for d in cfg.domains), train=train, heldout=heldout,
+                  tokenizer=store.tokenizer(), provenance=provenance)
 
 
 def _tokenize(tokenizer: Tokenizer, documents: list[str]) -> np.ndarray:

@@ -9,27 +9,33 @@ the tests need no download:
 - `arithmetic`: synthetic problems with their answers (`"417 + 86 = 503"`), generated from `data.seed`.
 
 A `files` domain reads the user's `.txt` (one file per document), `.jsonl` (one document per line, from its
-`text` field) or `.parquet` files (a `text` column). Anything malformed raises `DataError` naming the file,
+`text` field) or `.parquet` files (a `text` column); `.txt` and `.jsonl` may be compressed (`.gz`, `.zst`), a
+path may be a glob (`data/*.jsonl`), a directory written by Hugging Face `datasets`' `save_to_disk`, or
+`hf:owner/name[:split]` on the Hub. Files are read as streams, so `moelab data prepare` holds one at a time. Anything malformed raises `DataError` naming the file,
 and the line where there is one, and saying what to do.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import glob
+import gzip
 import io
 import json
 import os
 import sysconfig
 import tokenize
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 
 from moelab.config import DomainConfig
 from moelab.errors import DataError
 
-__all__ = ["load_documents", "stdlib_python_files"]
+__all__ = ["load_documents", "iter_documents", "iter_file_documents", "source_files", "stdlib_python_files"]
 
 # Directories of the stdlib tree that are not the library itself: third-party packages and test suites
 # (test data there includes deliberately broken or oddly encoded files), generated codec tables
@@ -40,6 +46,10 @@ _ARITHMETIC_MAX_BYTES = 1_000_000  # more of the same problems would add start-u
 _ARITHMETIC_LINES_PER_DOCUMENT = 32
 _CHUNKS_FOR_A_SINGLE_DOCUMENT = 20  # a lone user document is cut into this many pieces so a held-out split exists
 _FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_COMPRESSIONS = (".gz", ".zst")  # for .txt and .jsonl: decompressed as they are read
+_HF_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+_HF_PREFIX = "hf:"  # hf:owner/name[:split], a dataset on the Hugging Face Hub
+_ROWS_PER_BATCH = 4096  # Parquet rows read at a time
 
 
 def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> list[str]:
@@ -69,6 +79,15 @@ def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> list[
         budget = min(max_bytes, _ARITHMETIC_MAX_BYTES)
         return _take_within(_generate_arithmetic_documents(budget, seed), budget)
     raise DataError(f"data.domains[{domain.name}]: no embedded domain of that name; use code, prose or arithmetic.")
+
+
+def iter_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> Iterator[str]:
+    """`load_documents` as a stream, for `moelab data prepare`: a `files` domain is read file by file and a lone
+    document is not split (the token store holds out whole documents as they stream by); an embedded domain,
+    small by construction, is the same list."""
+    if domain.kind == "files":
+        return iter_file_documents(domain)
+    return iter(load_documents(domain, max_bytes, seed))
 
 
 def _take_within(documents: Iterable[str], max_bytes: int) -> list[str]:
@@ -179,32 +198,48 @@ def _generate_arithmetic_documents(max_bytes: int, seed: int) -> Iterator[str]:
 # user files
 
 
+def source_files(domain: DomainConfig) -> list[str]:
+    """The files (or Hugging Face dataset directories / `hf:` names) a `files` domain reads, globs expanded.
+
+    A pattern (`data/*.jsonl`, `shards/**/*.zst`) expands to its matches in sorted order; one that matches
+    nothing raises DataError naming it.
+    """
+    where = f"data.domains[{domain.name}].paths"
+    found: list[str] = []
+    for name in domain.paths:
+        if name.startswith(_HF_PREFIX) or not any(c in name for c in "*?["):
+            found.append(name)
+            continue
+        matches = sorted(glob.glob(name, recursive=True))
+        if not matches:
+            raise DataError(f"{where}: the pattern {name} matches no file; fix the pattern (it is read relative to "
+                            "the config file's folder) or remove it from the list.")
+        found += matches
+    return found
+
+
+def iter_file_documents(domain: DomainConfig) -> Iterator[str]:
+    """The documents of a `files` domain, streamed file by file in order (nothing held but the current file
+    or row batch). Empty and whitespace-only documents are dropped.
+
+    Raises:
+        DataError: a file is missing, empty, malformed, of an unknown type, or a pattern matches nothing.
+    """
+    where = f"data.domains[{domain.name}].paths"
+    for name in source_files(domain):
+        count = 0
+        for doc in _read_source(name, where):
+            if doc.strip():
+                count += 1
+                yield doc
+        if not count:
+            raise DataError(f"{where}: file {name} is empty (no document with text); add text to it or remove it "
+                            "from the list.")
+
+
 def _load_files(domain: DomainConfig) -> list[str]:
     where = f"data.domains[{domain.name}].paths"
-    documents: list[str] = []
-    for name in domain.paths:
-        path = Path(name)
-        if path.is_dir():
-            inside = sorted(str(p) for p in path.iterdir() if p.suffix.lower() in _FILE_SUFFIXES)[:3]
-            example = f" (it holds e.g. {', '.join(inside)})" if inside else ""
-            raise DataError(f"{where}: {path} is a directory, not a file; list the {', '.join(_FILE_SUFFIXES)} files "
-                            f"inside it one by one{example}.")
-        if not path.is_file():
-            raise DataError(f"{where}: file {path} does not exist; fix the path or remove it from the list.")
-        suffix = path.suffix.lower()
-        if suffix == ".txt":
-            docs = [_read_text(path, where)]
-        elif suffix == ".jsonl":
-            docs = _read_jsonl(path, where)
-        elif suffix == ".parquet":
-            docs = _read_parquet(path, where)
-        else:
-            raise DataError(
-                f"{where}: file {path} has an unknown type {path.suffix!r}; use one of {', '.join(_FILE_SUFFIXES)}."
-            )
-        if not docs or not any(doc.strip() for doc in docs):
-            raise DataError(f"{where}: file {path} is empty; add text to it or remove it from the list.")
-        documents += docs
+    documents = list(iter_file_documents(domain))
     if len(documents) == 1:
         documents = _split_at_lines(documents[0], _CHUNKS_FOR_A_SINGLE_DOCUMENT)
         if len(documents) < 2:
@@ -215,18 +250,85 @@ def _load_files(domain: DomainConfig) -> list[str]:
     return documents
 
 
-def _read_text(path: Path, where: str) -> str:
+def _file_kind(path: Path) -> tuple[str, str | None]:
+    """(`.txt` / `.jsonl` / `.parquet`, compression `.gz` / `.zst` or None) from a file's suffixes."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes and suffixes[-1] in _COMPRESSIONS:
+        return (suffixes[0] if len(suffixes) == 2 else ""), suffixes[-1]
+    return (suffixes[-1] if suffixes else ""), None
+
+
+def _read_source(name: str, where: str) -> Iterator[str]:
+    if name.startswith(_HF_PREFIX):
+        yield from _read_hf_hub(name[len(_HF_PREFIX):], where)
+        return
+    path = Path(name)
+    if path.is_dir():
+        if any((path / marker).is_file() for marker in _HF_DATASET_MARKERS):
+            yield from _read_hf_dataset(path, where)
+            return
+        inside = sorted(str(p) for p in path.iterdir() if _file_kind(p)[0] in _FILE_SUFFIXES)[:3]
+        example = f" (it holds e.g. {', '.join(inside)})" if inside else ""
+        raise DataError(f"{where}: {path} is a directory, not a file; list the {', '.join(_FILE_SUFFIXES)} files "
+                        f"inside it one by one, or a pattern such as {path}/*.jsonl{example}.")
+    if not path.is_file():
+        raise DataError(f"{where}: file {path} does not exist; fix the path or remove it from the list.")
+    kind, compression = _file_kind(path)
+    if kind == ".parquet" and compression is None:
+        yield from _read_parquet(path, where)
+    elif kind == ".txt":
+        with _open_text(path, compression, where) as f:
+            yield _decoded(path, where, f.read)
+    elif kind == ".jsonl":
+        with _open_text(path, compression, where) as f:
+            yield from _read_jsonl(path, where, f)
+    else:
+        raise DataError(f"{where}: file {path} has an unknown type {''.join(path.suffixes[-2:])!r}; use one of "
+                        f"{', '.join(_FILE_SUFFIXES)}, optionally compressed as .gz or .zst (.jsonl.zst), or a "
+                        "Hugging Face dataset directory.")
+
+
+@contextlib.contextmanager
+def _open_text(path: Path, compression: str | None, where: str):
+    """A UTF-8 text stream over `path`, decompressing `.gz` / `.zst` on the fly."""
+    if compression == ".zst":
+        try:
+            import zstandard  # optional: only .zst users need it
+        except ImportError:
+            raise DataError(f"{where}: reading {path} needs zstandard; run `pip install 'moelab[data]'`.") from None
+        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as stream:
+            yield io.TextIOWrapper(stream, encoding="utf-8")
+    elif compression == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            yield f
+    else:
+        with open(path, encoding="utf-8") as f:
+            yield f
+
+
+def _decoded(path: Path, where: str, read: Callable[[], Any]) -> Any:
+    """`read()`, with a decoding or decompression failure turned into DataError naming `path`."""
     try:
-        return path.read_text(encoding="utf-8")
+        return read()
     except UnicodeDecodeError as e:
         raise DataError(
             f"{where}: file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8."
         ) from e
+    except Exception as e:  # gzip: BadGzipFile (an OSError), EOFError when truncated; zstandard: ZstdError
+        if isinstance(e, (OSError, EOFError)) or type(e).__name__ == "ZstdError":
+            raise DataError(f"{where}: file {path} could not be decompressed ({e}); it is truncated or not "
+                            f"{path.suffix} data: write it again.") from e
+        raise
 
 
-def _read_jsonl(path: Path, where: str) -> list[str]:
-    documents = []
-    for lineno, line in enumerate(_read_text(path, where).splitlines(), start=1):
+def _read_jsonl(path: Path, where: str, stream: IO[str]) -> Iterator[str]:
+    lines = iter(stream)
+    lineno = 0
+    while True:
+        line = _decoded(path, where, lambda: next(lines, None))
+        if line is None:
+            return
+        lineno += 1
         if not line.strip():
             continue  # blank lines, such as a trailing one, hold no document
         try:
@@ -241,11 +343,10 @@ def _read_jsonl(path: Path, where: str) -> list[str]:
                 f'{where}: file {path} line {lineno} has no "text" string; write one object such as '
                 '{"text": "..."} per line.'
             )
-        documents.append(record["text"])
-    return documents
+        yield record["text"]
 
 
-def _read_parquet(path: Path, where: str) -> list[str]:
+def _read_parquet(path: Path, where: str) -> Iterator[str]:
     try:
         import pyarrow as pa  # optional: only Parquet users need it
         import pyarrow.parquet as pq
@@ -258,16 +359,65 @@ def _read_parquet(path: Path, where: str) -> list[str]:
                 f"{where}: file {path} has no 'text' column (its columns: {', '.join(schema.names)}); "
                 "store one document per row in a string column named 'text'."
             )
-        column = pq.read_table(path, columns=["text"]).column("text")
+        batches = pq.ParquetFile(path).iter_batches(columns=["text"], batch_size=_ROWS_PER_BATCH)
+        row = 0
+        for batch in batches:
+            for doc in batch.column(0).to_pylist():
+                if not isinstance(doc, str):
+                    raise DataError(f"{where}: file {path} row {row} has text={doc!r}, not a string; drop the row "
+                                    "or fill in its text.")
+                row += 1
+                yield doc
     except pa.ArrowException as e:
         raise DataError(f"{where}: file {path} is not a readable Parquet file ({e}); rewrite it with pyarrow.") from e
-    documents = column.to_pylist()
-    for row, doc in enumerate(documents):
+
+
+def _text_rows(dataset: Any, name: str, where: str) -> Iterator[str]:
+    """The `text` column of a Hugging Face `datasets.Dataset` (or IterableDataset), row by row."""
+    columns = getattr(dataset, "column_names", None) or []
+    if "text" not in columns:
+        raise DataError(f"{where}: dataset {name} has no 'text' column (its columns: {', '.join(columns)}); "
+                        "rename the text column to 'text' (dataset.rename_column).")
+    for row, record in enumerate(dataset):
+        doc = record["text"]
         if not isinstance(doc, str):
-            raise DataError(
-                f"{where}: file {path} row {row} has text={doc!r}, not a string; drop the row or fill in its text."
-            )
-    return documents
+            raise DataError(f"{where}: dataset {name} row {row} has text={doc!r}, not a string; drop the row "
+                            "or fill in its text.")
+        yield doc
+
+
+def _import_datasets(name: str, where: str) -> Any:
+    try:
+        import datasets  # optional: only Hugging Face dataset users need it
+    except ImportError:
+        raise DataError(f"{where}: reading {name} needs the datasets package; run `pip install "
+                        "'moelab[data]'`.") from None
+    return datasets
+
+
+def _read_hf_dataset(path: Path, where: str) -> Iterator[str]:
+    """A dataset saved with `datasets`' `save_to_disk`; a DatasetDict's `train` split."""
+    datasets = _import_datasets(str(path), where)
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{where}: dataset {path} has splits {', '.join(loaded)} but no 'train'; give the "
+                            f"split's own folder, e.g. {path / next(iter(loaded))}.")
+        loaded = loaded["train"]
+    yield from _text_rows(loaded, str(path), where)
+
+
+def _read_hf_hub(name: str, where: str) -> Iterator[str]:
+    """`hf:owner/name` (its train split) or `hf:owner/name:split`, streamed from the Hugging Face Hub."""
+    datasets = _import_datasets(name, where)
+    repo, _, split = name.partition(":")
+    try:
+        dataset = datasets.load_dataset(repo, split=split or "train", streaming=True)
+    except Exception as e:  # datasets raises many types for an unknown name or no network
+        raise DataError(f"{where}: the Hugging Face dataset {repo} could not be opened ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else 'no message'}); check the name and the network, "
+                        "or save it with save_to_disk and list that folder.") from None
+    yield from _text_rows(dataset, _HF_PREFIX + name, where)
 
 
 def _split_at_lines(text: str, num_chunks: int) -> list[str]:

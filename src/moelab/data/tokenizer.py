@@ -39,6 +39,10 @@ class Tokenizer(Protocol):
         """The text of `ids`; end-of-document tokens are left out."""
         ...
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """`encode` of each text; a Hugging Face tokenizer runs them on every core."""
+        ...
+
 
 @dataclass(frozen=True)
 class ByteTokenizer:
@@ -49,6 +53,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: Any) -> str:
         """Decode ids; a byte sequence that is not valid UTF-8 (a model's sample may be) decodes to U+FFFD."""
@@ -124,6 +131,11 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         # No special tokens: the corpus appends eos itself, and a loaded tokenizer may add BOS/CLS otherwise.
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # encode_batch_fast skips the offsets we never read; Rust threads over the batch (TOKENIZERS_PARALLELISM).
+        encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
     def decode(self, ids: Any) -> str:
         return self._tokenizer.decode(np.asarray(ids).ravel().tolist(), skip_special_tokens=True)

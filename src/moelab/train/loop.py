@@ -189,6 +189,7 @@ def _jsonable(metrics: dict) -> dict:
 # planner relies on that); a new mesh re-shards the same arrays.
 RESUME_SAFE = ("name", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                "train.mixture_snapshot_every",
+               "data.store",  # a moved or copied store: its content hash is checked against the checkpoint's
                "checkpoint.", "monitor.", "plan.", "mesh.")
 
 
@@ -256,6 +257,23 @@ def _resume(cfg: RunConfig, out: Path, hooks: Hooks, checkpoints: Checkpointer, 
     if restored is None:
         return _Start(0, state, None, kept)
     return _Start(start, restored.state, restored.meta, kept)
+
+
+def _store_hash(corpus: Corpus) -> str | None:
+    """The content hash of the token store(s) the corpus reads; None for a corpus built in memory."""
+    return (corpus.provenance or {}).get("store_hash")
+
+
+def _check_same_store(start: _Start, corpus: Corpus, checkpoints: Checkpointer) -> None:
+    """Refuse to resume a checkpoint trained on other tokens (another store, or none) than `corpus`."""
+    if start.meta is None or start.meta.get("store_hash") == _store_hash(corpus):
+        return
+    checkpoints.close()
+    in_memory = "none (data built in memory)"
+    saved, now = start.meta.get("store_hash") or in_memory, _store_hash(corpus) or in_memory
+    raise ConfigError(f"cannot resume the checkpoint at step {start.step}: it was trained on token store {saved}, "
+                      f"but data now comes from {now}. Point data.store back at the store it trained on, or train "
+                      "into a new --out directory.")
 
 
 def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, sinks: Sequence[Sink] = (),
@@ -332,6 +350,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, c
         return decode.generate_samples(greedy, state.params, state.router_bias, prompts, corpus.tokenizer, step)
 
     start = _resume(cfg, out, hooks, checkpoints, state)
+    _check_same_store(start, corpus, checkpoints)
     writer = mesh_lib.is_writer()
     if start.meta is not None:
         eval_initial = start.meta["eval_initial"]
@@ -340,6 +359,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, c
         hooks.stage("compiling the eval step")
         eval_initial = evaluate_state(start.state)
     outputs.write_config(out, cfg, writer)
+    outputs.write_data(out, corpus.provenance, writer)
     if hooks.on_eval and start.step == 0:
         hooks.on_eval(0, eval_initial)
     logs = outputs.RunLogs(out, start.kept, sinks, writer)  # opened by the steps
@@ -363,6 +383,7 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
 
     def save(step: int) -> Path:
         return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": eval_initial,
+                                              "store_hash": _store_hash(corpus),
                                               "realized_tokens": mixture.counts})
 
     def report(found: list[dict]) -> None:

@@ -10,6 +10,7 @@
     samples.jsonl       {"step", "domain", "prompt", "continuation"} per domain at each eval (`moelab.model.decode`)
     router_load.jsonl   {"step", "load": [layer][expert]}: the router's load EMA at each eval
     resumes.jsonl       {"step", "changes"}: one line per resume, with the config fields it changed
+    data.json           a run on token stores: `store_hash` and each store's sources, hashes and token counts
     summary.json        written when the run finishes: `step`, `loss`, `eval`, `eval_initial`, `eval_mean`,
                         `tokens`, `tokens_per_s`, `incidents`, `resumed_from`
     checkpoints/        `moelab.train.checkpoint`
@@ -34,8 +35,9 @@ from moelab.config import RunConfig, dump_yaml
 from moelab.errors import ConfigError
 
 __all__ = ["CONFIG", "METRICS", "INCIDENTS", "MIXTURE_LOG", "SAMPLES", "ROUTER_LOAD", "RESUMES", "SUMMARY",
-           "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
-           "read_summary", "finished_summary", "open_run_file", "write_config", "append_resume", "write_summary"]
+           "DATA", "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
+           "read_summary", "finished_summary", "open_run_file", "write_config", "append_resume", "write_summary",
+           "write_data"]
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -45,6 +47,7 @@ SAMPLES = "samples.jsonl"
 ROUTER_LOAD = "router_load.jsonl"
 RESUMES = "resumes.jsonl"
 SUMMARY = "summary.json"
+DATA = "data.json"
 CHECKPOINTS = "checkpoints"
 LOGS = (METRICS, INCIDENTS, MIXTURE_LOG, SAMPLES, ROUTER_LOAD)  # cut back to the checkpoint on a resume
 
@@ -130,6 +133,13 @@ def append_resume(out: Path, step: int, changes: Mapping[str, tuple[Any, Any]], 
     """One resumes.jsonl line: the step resumed from and the config fields changed, as [old, new]."""
     with open_run_file(out / RESUMES, "a", writer) as f:
         f.write(json.dumps({"step": step, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
+
+
+def write_data(out: Path, provenance: dict | None, writer: bool) -> None:
+    """data.json: where the tokens came from (`Corpus.provenance`); nothing for a corpus built in memory."""
+    if provenance is not None:
+        with open_run_file(out / DATA, "w", writer) as f:
+            f.write(json.dumps(provenance, indent=1) + "\n")
 
 
 def write_summary(out: Path, summary: dict, writer: bool) -> None:
