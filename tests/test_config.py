@@ -3,6 +3,7 @@
 import dataclasses
 import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +255,42 @@ def test_accounting_total_equals_the_parameters_the_model_initializes(latent, sh
                                     num_shared_experts=shared, shared_expert_dim=12, latent_dim=latent))
     params = transformer.init(cfg, jax.random.key(0))
     assert accounting.count_params(cfg).total == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------------------------
+# data ergonomics: YAML-relative paths, a preset with your own domains
+
+
+def test_relative_data_paths_in_a_yaml_are_read_against_its_folder(tmp_path, monkeypatch):
+    from moelab.config import load_yaml
+
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / "run.yaml").write_text(
+        "data:\n  tokenizer: tok/tokenizer.json\n  store: ../stores/web\n"
+        "  domains:\n    - {name: web, kind: files, paths: ['data/*.jsonl', /abs/x.txt, 's3://bucket/y.jsonl']}\n")
+    monkeypatch.chdir(tmp_path)
+    data = load_yaml(Path("exp/run.yaml")).data
+    assert data.domains[0].paths == (str(folder / "data/*.jsonl"), "/abs/x.txt", "s3://bucket/y.jsonl")
+    assert data.store == str(folder / "../stores/web") and data.tokenizer == str(folder / "tok/tokenizer.json")
+    assert data.phases == (PhaseConfig("pretrain", 1.0, {"web": 1.0}),)  # no phases given: one, equal weights
+
+
+def test_a_preset_takes_your_own_domains_by_set_or_a_data_yaml_without_its_embedded_phases(tmp_path):
+    from moelab import presets
+    from moelab.cli.common import resolve_config
+
+    mine = [{"name": "web", "kind": "files", "paths": ["/d/web.jsonl"]}, {"name": "books", "kind": "files",
+                                                                          "paths": ["/d/b.txt"]}]
+    cfg = presets.resolve("tiny", {"data.domains": mine})
+    assert [d.name for d in cfg.data.domains] == ["web", "books"]
+    assert cfg.data.phases == (PhaseConfig("pretrain", 1.0, {"web": 1.0, "books": 1.0}),)
+    (tmp_path / "data.yaml").write_text("data:\n  domains:\n    - {name: web, kind: files, paths: [web.jsonl]}\n"
+                                        "  phases:\n    - {name: a, fraction: 0.5, weights: {web: 1}}\n"
+                                        "    - {name: b, fraction: 0.5, weights: {web: 1}}\n")
+    cfg = resolve_config(None, "tiny", ["train.steps=7"], tmp_path / "data.yaml")
+    assert cfg.model == presets.get("tiny").model and cfg.train.steps == 7
+    assert cfg.data.domains[0].paths == (str(tmp_path / "web.jsonl"),) and len(cfg.data.phases) == 2
+    with pytest.raises(ConfigError, match=r"data.phases\[a\].weights"):
+        presets.resolve("tiny", {"data.domains": mine, "data.phases": [{"name": "a", "fraction": 1.0,
+                                                                         "weights": {"code": 1}}]})

@@ -452,3 +452,50 @@ def test_the_data_package_imports_neither_jax_nor_tokenizers_for_the_byte_path()
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------------------------
+# sources: compressed files, globs, Hugging Face dataset folders (the token store reads the same streams)
+
+
+def test_compressed_txt_and_jsonl_globs_and_a_saved_hf_dataset_load_like_plain_files(tmp_path):
+    import gzip
+
+    import datasets
+    import zstandard
+
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress("gz text\nline two\n".encode()))
+    lines = "".join(json.dumps({"text": f"zst doc {i}"}) + "\n" for i in range(3))
+    (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    for name in ("c-1.jsonl", "c-2.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n")
+    datasets.Dataset.from_dict({"text": ["hf one", "hf two"], "id": [1, 2]}).save_to_disk(str(tmp_path / "hf"))
+    paths = (str(tmp_path / "a.txt.gz"), str(tmp_path / "b.jsonl.zst"), str(tmp_path / "c-*.jsonl"),
+             str(tmp_path / "hf"))
+
+    documents = load_documents(DomainConfig("mine", kind="files", paths=paths), max_bytes=1)
+
+    assert documents == ["gz text\nline two\n", "zst doc 0", "zst doc 1", "zst doc 2", "c-1.jsonl", "c-2.jsonl",
+                         "hf one", "hf two"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("none-*.jsonl", None, "matches no file"),
+    ("broken.jsonl.gz", b"\x1f\x8b\x08\x00 not really gzip", "could not be decompressed"),
+    ("broken.txt.zst", b"\x28\xb5\x2f\xfd garbage", "could not be decompressed"),
+    ("notes.csv.gz", b"", "unknown type"),
+])
+def test_bad_compressed_files_and_empty_globs_are_named(tmp_path, name, content, message):
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=re.escape(message)) as error:
+        load_documents(DomainConfig("mine", kind="files", paths=(str(tmp_path / name),)), 1000)
+    assert name in str(error.value) and "data.domains[mine]" in str(error.value)
+
+
+def test_a_hf_dataset_without_a_text_column_is_named(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"body": ["x", "y"]}).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(DataError, match="has no 'text' column .*body"):
+        load_documents(DomainConfig("mine", kind="files", paths=(str(tmp_path / "hf"),)), 1000)

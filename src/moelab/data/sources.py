@@ -26,6 +26,7 @@ import json
 import os
 import sysconfig
 import tokenize
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -314,8 +315,8 @@ def _decoded(path: Path, where: str, read: Callable[[], Any]) -> Any:
         raise DataError(
             f"{where}: file {path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8."
         ) from e
-    except Exception as e:  # gzip: BadGzipFile (an OSError), EOFError when truncated; zstandard: ZstdError
-        if isinstance(e, (OSError, EOFError)) or type(e).__name__ == "ZstdError":
+    except Exception as e:  # gzip: BadGzipFile (an OSError), zlib.error, EOFError when truncated; zstandard: ZstdError
+        if isinstance(e, (OSError, EOFError, zlib.error)) or type(e).__name__ == "ZstdError":
             raise DataError(f"{where}: file {path} could not be decompressed ({e}); it is truncated or not "
                             f"{path.suffix} data: write it again.") from e
         raise
