@@ -30,6 +30,7 @@ from moelab.errors import ConfigError
 
 if TYPE_CHECKING:
     from moelab.train.loop import Watcher
+    from moelab.train.outputs import Sink
 
 __all__ = ["presets_cmd", "flops", "train", "replan", "run_training", "training_progress"]
 
@@ -84,6 +85,10 @@ def train(
     predicted: Annotated[Optional[Path], typer.Option(
         help="A PRED.csv from `moelab ladder run/fit`: check each eval against its 95% band (off_track incidents).")] = None,
     data: DataOpt = None,
+    publish: Annotated[Optional[str], typer.Option(
+        help="Copy the mixture log, metrics, incidents, config and summary to this URL (s3://, gs://) or folder "
+             "as training goes, each file a complete object.")] = None,
+    publish_every: Annotated[float, typer.Option(help="Seconds between publications (with --publish).")] = 3600.0,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
 
@@ -104,7 +109,14 @@ def train(
         from moelab.ladder.predict import load_on_track  # scipy: only when predictions are checked
 
         watchers.append(load_on_track(predicted))
-    summary = run_training(cfg, out, watchers)
+    sinks = []
+    if publish is not None:
+        from moelab.train.publish import Publisher
+
+        publisher = Publisher(out, publish, publish_every)
+        publisher.check()  # an unreachable URL or missing credentials: exit 2 before anything trains
+        sinks.append(publisher)
+    summary = run_training(cfg, out, watchers, sinks)
     if is_writer():  # every host returns the same summary; one prints it
         print(json.dumps(summary))
 
@@ -131,14 +143,14 @@ def _mesh_fields(spec: str | None, sets: list[str] | None) -> dict:
     return updates
 
 
-def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = ()) -> dict:
+def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = (), sinks: Sequence[Sink] = ()) -> dict:
     """Train with a Rich progress bar on stderr (process 0's only, on a multi-host run)."""
     from moelab.parallel import mesh as mesh_lib
     from moelab.train.loop import train as train_run
 
     mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
     with training_progress(cfg) as hooks:
-        return train_run(cfg, out, hooks, watchers=watchers)
+        return train_run(cfg, out, hooks, watchers=watchers, sinks=sinks)
 
 
 class _StatusColumn(ProgressColumn):

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from moelab.errors import DataError
 
-__all__ = ["is_url", "join", "storage_errors", "fetch", "read_bytes", "upload", "publish"]
+__all__ = ["is_url", "join", "storage_errors", "fetch", "read_bytes", "check_writable", "upload", "publish"]
 
 
 def is_url(location: str | Path) -> bool:
@@ -85,6 +85,14 @@ def read_bytes(url: str) -> bytes:
     fs, path = _filesystem(url)
     with storage_errors(url, "reading"):
         return fs.cat_file(path)
+
+
+def check_writable(url: str) -> None:
+    """Reach `url`'s bucket once (listing it): DataError now, naming it, if it is unreachable, refused or absent."""
+    fs, path = _filesystem(url)
+    bucket = path.split("/")[0]
+    with storage_errors(url, "reaching"):
+        fs.ls(bucket, refresh=True)
 
 
 def upload(local: Path, url: str) -> None:
