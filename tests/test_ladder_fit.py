@@ -450,14 +450,14 @@ def _set(row, column, value):
         (["run", "params", "step", "tokens", "loss"], None, r"lacks column\(s\) lr"),
         (HEADER, _swap_steps, r"run 'a': step 5 follows step 10"),
         (HEADER, _set(2, 4, -1e-3), r"run 'b', step 10: lr=-0.001 is negative"),
-        (HEADER, lambda rows: rows[:2], r"at least 2 runs"),
+        (HEADER, lambda rows: rows[:2], r"only 2 rows are past warmup .* one size and needs at least 6 rows"),
         (HEADER, _set(3, 5, "abc"), r"line 5, column 'loss': 'abc' is not a number"),
         (HEADER, _set(0, 5, "nan"), r"line 2, column 'loss': 'nan' is not finite"),
         (HEADER, _set(1, 1, 2e6), r"run 'a' changes params from 1e\+06 to 2e\+06"),
         (None, None, r"is empty"),
         (HEADER, lambda rows: [], r"has a header but no rows"),
     ],
-    ids=["missing-column", "non-increasing-step", "negative-lr", "one-run", "non-numeric", "non-finite",
+    ids=["missing-column", "non-increasing-step", "negative-lr", "one-short-run", "non-numeric", "non-finite",
          "params-change", "empty-file", "header-only"],
 )
 def test_bad_curves_raise_data_error_naming_the_problem_and_write_nothing(tmp_path, target_csv, header, edit, message):

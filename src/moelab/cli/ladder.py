@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from moelab.cli.common import JsonOpt, PresetOpt, out_console
+from moelab.cli.common import JsonOpt, PresetOpt, err_console, out_console, print_problem
 from moelab.cli.train import run_training
 from moelab.config import load_yaml
 from moelab.errors import ConfigError, DataError
@@ -67,11 +68,12 @@ def run(
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
     from moelab.ladder.run import run_ladder
 
-    summary = run_ladder(_recipe(recipe, None), out, run_training)
+    summary = run_ladder(_recipe(recipe, None), out, run_training, progress=_bootstrap_bar)
     if json_out:
         print(json.dumps(summary))
         return
-    out_console.print(f"Prediction for the target in {out / 'prediction.csv'}; fit summary in {out / 'fit.json'}.")
+    _print_fit(summary)
+    out_console.print(f"Prediction for the target in {out / 'prediction.csv'}; fit summary in {out / 'prediction.json'}.")
     out_console.print(f"Train the target against it: moelab train {out / 'target.yaml'} --predicted "
                       f"{out / 'prediction.csv'} --out {out / 'target'}")
 
@@ -81,19 +83,47 @@ def fit(
     curves: Annotated[Path, typer.Option(help="CURVES.csv: run,params,step,tokens,lr,loss.")],
     target: Annotated[Path, typer.Option(help="TARGET.csv: run,params,step,tokens,lr (the planned schedule).")],
     out: Annotated[Path, typer.Option(help="PRED.csv to write: target rows + loss_pred,lo80,hi80,lo95,hi95.")],
-    bootstrap: Annotated[int, typer.Option(help="Bootstrap resamples over whole runs.")] = NUM_BOOTSTRAP,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap refits (two-level residual resamples) for the bands.")] = NUM_BOOTSTRAP,
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""
     from moelab.ladder.predict import fit_curves
 
-    summary = fit_curves(curves, target, out, num_bootstrap=bootstrap)
+    summary = fit_curves(curves, target, out, num_bootstrap=bootstrap, progress=_bootstrap_bar)
     if json_out:
         print(json.dumps(summary))
         return
-    out_console.print(f"Wrote {out}. Fitted law: {summary['law']}")
+    out_console.print(f"Wrote {out} and its sidecar {out.with_suffix('.json')}.")
+    _print_fit(summary)
+
+
+def _bootstrap_bar(refits):
+    """The bootstrap's refits with a progress bar on stderr (it is most of a fit's time)."""
+    from rich.progress import track
+
+    return track(refits, description="bootstrap refits", console=err_console, transient=True)
+
+
+def _print_fit(summary: dict) -> None:
+    """The law, the target's final prediction next to the self-check, and the notes (a failed self-check loudly)."""
+    out_console.print(f"Fitted law: {summary['law']}")
     for name, value in summary["params"].items():
-        out_console.print(f"  {name} = {value:.6g}")
+        if not (name in ("A", "alpha") and summary["law"].endswith("(one size)")):
+            out_console.print(f"  {name} = {value:.6g}")
+    for t in summary["targets"]:
+        out_console.print(f"Target {escape(t['run'])}: final loss {t['loss_pred']:.4f}, 95% band "
+                          f"[{t['lo95']:.4f}, {t['hi95']:.4f}] (+-{t['band95_half_width']:.2%})")
+    check = summary["self_check"]
+    if "skipped" in check:
+        out_console.print(f"Self-check skipped: {check['skipped']}")
+    else:
+        verdict = "[green]inside the band[/]" if check["trusted"] else "[bold red]OUTSIDE the band[/]"
+        out_console.print(f"Self-check (fit without {escape(', '.join(check['held_out']))}, predict it): final error "
+                          f"{check['final_error']:+.2%}, MAPE {check['mape_after_10pct']:.2%}, band coverage "
+                          f"{check['band95_coverage']:.0%}: {verdict}")
+    for note in summary["notes"]:
+        print_problem("FAILED" if note.startswith("SELF-CHECK FAILED") else "Note", note,
+                      "bold red" if note.startswith("SELF-CHECK FAILED") else "yellow")
 
 
 def _final_points(ladder_dir: Path) -> list[tuple[str, float, float]]:

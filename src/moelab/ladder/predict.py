@@ -30,13 +30,14 @@ on its CDF. `loss_pred` is the full-data fit.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from scipy import signal, special
@@ -46,6 +47,7 @@ from moelab.config import RunConfig
 from moelab.errors import ConfigError, DataError
 from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.fit import (
+    EXPONENT_BOUNDS,
     CurveBootstrap,
     CurveLaw,
     EnvelopeFit,
@@ -57,6 +59,7 @@ from moelab.ladder.fit import (
     fit_curve_law,
     fitted_rows,
 )
+from moelab.ladder.forecast import ForecastFinal
 
 __all__ = [
     "CURVE_COLUMNS",
@@ -66,11 +69,14 @@ __all__ = [
     "read_curves",
     "read_target",
     "predict_with_bands",
+    "score",
+    "self_check",
     "fit_curves",
     "load_prediction",
     "TrackCheck",
     "OnTrack",
     "load_on_track",
+    "sidecar_path",
     "compute_equivalent_speedup",
 ]
 
@@ -212,8 +218,74 @@ def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run) -> di
     return {"loss_pred": curve_loss(law, run), **{k: np.where(unknown, np.nan, bands[k]) for k in BAND_COLUMNS[1:]}}
 
 
+def score(bands: dict[str, np.ndarray], run: Run) -> dict:
+    """A prediction's `bands` (`predict_with_bands`) against `run`'s observed losses, row for row.
+
+    final_error is signed ((predicted - actual) / actual at the last row); the MAPE and the band's
+    coverage count the rows after the first 10% of the run's tokens, where the law is meant to hold.
+    """
+    late = (run.tokens >= 0.1 * run.tokens[-1]) & np.isfinite(bands["loss_pred"])
+    actual, pred = run.loss[late], bands["loss_pred"][late]
+    inside = (bands["lo95"][late] <= actual) & (actual <= bands["hi95"][late])
+    final = float(run.loss[-1])
+    return {"final_actual": final, "final_predicted": float(bands["loss_pred"][-1]),
+            "final_lo95": float(bands["lo95"][-1]), "final_hi95": float(bands["hi95"][-1]),
+            "final_error": float(bands["loss_pred"][-1] - final) / final,
+            "mape_after_10pct": float(np.mean(np.abs(pred - actual) / actual)),
+            "band95_coverage": float(np.mean(inside)), "evals_scored": int(late.sum())}
+
+
+def _relative_half_width(bands: dict[str, np.ndarray]) -> float:
+    """Half the 95% band at the last row, relative to the prediction there."""
+    return float((bands["hi95"][-1] - bands["lo95"][-1]) / 2 / bands["loss_pred"][-1])
+
+
+def self_check(curves: Sequence[Run], num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0,
+               progress: Callable[[Iterable], Iterable] = iter) -> dict:
+    """Refit without the largest size, predict its runs, and score that prediction (`score`).
+
+    The one test a ladder can run on itself before its target trains: the largest rung is the
+    nearest thing to the target the fit has seen. Needs runs at 3 or more sizes (2 left to fit);
+    otherwise {"skipped": reason}. `final_error` and the band are averaged over the held-out runs.
+    """
+    sizes = sorted({r.params for r in curves})
+    if len(sizes) < 3:
+        return {"skipped": f"the curves hold {len(sizes)} size(s); leaving the largest out needs at least 3."}
+    held = [r for r in curves if r.params == sizes[-1]]
+    rest = [r for r in curves if r.params != sizes[-1]]
+    law = fit_curve_law(rest)
+    bootstrap = bootstrap_curve_law(rest, law, num_bootstrap, seed, progress)
+    bands = [predict_with_bands(law, bootstrap, replace(r, loss=None)) for r in held]
+    scores = [score(b, r) for b, r in zip(bands, held)]
+    mean = {k: float(np.mean([s[k] for s in scores])) for k in scores[0]}
+    return {"held_out": [r.name for r in held], "params": sizes[-1], "fitted_on": [r.name for r in rest], **mean,
+            "band95_half_width": float(np.mean([_relative_half_width(b) for b in bands]))}
+
+
+def _identification_notes(law: CurveLaw, refits: dict[str, np.ndarray]) -> list[str]:
+    """Say which of the law's terms the data did not pin down: on a bound, or spread over 10x by the bootstrap."""
+    notes = []
+    if law.e == 0:
+        notes.append("E = 0: the fit put no floor under the loss, so the size and data terms carry it; their "
+                     "exponents are then not those of a scaling law. Add longer runs or more sizes.")
+    for name, value, (lo, hi) in (("alpha", law.alpha, EXPONENT_BOUNDS), ("beta", law.beta, EXPONENT_BOUNDS)):
+        if (name == "beta" or law.size is None) and not lo * 1.05 < value < hi / 1.05:
+            notes.append(f"{name} = {value:.3g} sits at the edge of its range [{lo}, {hi}]: not identified.")
+    if law.c > 0 and law.tau <= 1.05:
+        notes.append("tau_steps = 1 (its lower bound): the anneal gain is read as instant; the curves do not "
+                     "show how it settles (evaluate more often around the decay).")
+    for name in ("E", "A", "B", "C"):
+        lo, hi = np.quantile(refits[name], [0.025, 0.975])
+        if name != "A" or law.size is None:
+            if hi > 0 and (lo <= 0 or hi / lo > 10):
+                notes.append(f"{name}'s 95% bootstrap interval [{lo:.3g}, {hi:.3g}] spans more than 10x: the "
+                             "curves do not pin it down.")
+    return notes
+
+
 def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], targets: list[Run],
-                predictions: dict[str, dict[str, np.ndarray]], num_bootstrap: int, seed: int, out: Path) -> dict:
+                predictions: dict[str, dict[str, np.ndarray]], check: dict, num_bootstrap: int, seed: int,
+                out: Path) -> dict:
     names = {"E": "e", "A": "a", "alpha": "alpha", "B": "b", "beta": "beta", "C": "c", "tau_steps": "tau"}
     refits = {k: np.array([getattr(r, v) for r in bootstrap.laws]) for k, v in names.items()}
     notes = []
@@ -230,13 +302,33 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
         if run.params > 10 * largest:
             notes.append(f"run {run.name!r} has params={run.params:g}, {run.params / largest:.0f}x the largest rung: "
                          "the band covers the fit's uncertainty, not a change of law beyond the ladder.")
+    notes += _identification_notes(law, refits)
     final = []
     for run in targets:
         pred = predictions[run.name]
         final.append({"run": run.name, "params": run.params, "final_step": int(run.steps[-1]),
-                      "final_tokens": float(run.tokens[-1]), **{k: float(pred[k][-1]) for k in BAND_COLUMNS}})
+                      "final_tokens": float(run.tokens[-1]), **{k: float(pred[k][-1]) for k in BAND_COLUMNS},
+                      "band95_half_width": _relative_half_width(pred)})
+    if "skipped" not in check:
+        band = max(t["band95_half_width"] for t in final)
+        inside = check["final_lo95"] <= check["final_actual"] <= check["final_hi95"]
+        check["trusted"] = bool(inside and abs(check["final_error"]) <= band)
+        if not check["trusted"]:
+            notes.insert(0, f"SELF-CHECK FAILED: refitted without the largest rung, the law misses it by "
+                            f"{check['final_error']:+.2%} at its last eval ("
+                            + (f"more than the target's 95% band, +-{band:.2%}" if inside else
+                               f"outside the band it predicted for it, [{check['final_lo95']:.4f}, "
+                               f"{check['final_hi95']:.4f}]")
+                            + "). Do not trust this prediction: fix the recipe (more or longer rungs, tuned LRs) "
+                            "before training the target against it.")
+    for t in final:
+        if t["band95_half_width"] > 0.03:
+            notes.append(f"the 95% band of run {t['run']!r} at its last step is +-{t['band95_half_width']:.1%}: too "
+                         "wide to tell a run 3% off its recipe from a healthy one. More rungs (or seeds at one size) "
+                         "narrow it.")
     return {
-        "law": "L(N, t) = E + A*N^-alpha + B*S1(t)^-beta - C*S2(t)",
+        "law": ("L(t) = E + B*S1(t)^-beta - C*S2(t) (one size)" if law.size is not None
+                else "L(N, t) = E + A*N^-alpha + B*S1(t)^-beta - C*S2(t)"),
         "params": {k: getattr(law, v) for k, v in names.items()},
         "params_95": {k: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))] for k, v in refits.items()},
         "noise": {"run_sd": bootstrap.run_sd, "checkpoint_sd": bootstrap.checkpoint_sd, "run_dof": bootstrap.run_dof},
@@ -246,6 +338,7 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
         "bootstrap": {"samples": num_bootstrap, "seed": seed,
                       "unit": "runs: resampled offsets + sign-flipped residual curves"},
         "targets": final,
+        "self_check": check,
         "notes": notes,
         "out": str(out),
     }
@@ -256,11 +349,15 @@ def _format(value: float) -> str:
 
 
 def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str | Path, *,
-               num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0) -> dict:
-    """Fit the curve law on CURVES.csv, write PRED.csv for TARGET.csv, return a JSON-able summary.
+               num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0,
+               progress: Callable[[Iterable], Iterable] = iter) -> dict:
+    """Fit the curve law on CURVES.csv, write PRED.csv for TARGET.csv and its sidecar PRED.json.
 
-    Every input is read and checked before anything is written, and PRED.csv appears atomically
-    (written beside it, then renamed), so a bad input never leaves a half-written file.
+    PRED.json holds the returned summary: the law, its noise, the leave-largest-out `self_check`
+    and notes. Curves of one size fit the schedule part alone and predict that size only. Every input
+    is read and checked before anything is written, and both files appear atomically (written beside
+    them, then renamed), so a bad input never leaves a half-written file. `progress` wraps the
+    bootstrap loops (a progress bar in the CLI).
     """
     if not (isinstance(num_bootstrap, int) and num_bootstrap >= _MIN_BOOTSTRAP):
         raise ConfigError(f"num_bootstrap={num_bootstrap!r} is invalid: must be an integer >= {_MIN_BOOTSTRAP} "
@@ -275,27 +372,41 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
                         "pass the planned schedule without predictions.")
     try:
         law = fit_curve_law(curves)
-        bootstrap = bootstrap_curve_law(curves, law, num_bootstrap, seed)
+        for run in targets:
+            curve_loss(law, run)  # a one-size law refuses another size before any bootstrap
+        bootstrap = bootstrap_curve_law(curves, law, num_bootstrap, seed, progress)
+        check = self_check(curves, num_bootstrap, seed, progress)
     except DataError as err:
         raise DataError(f"{curves_path}: {err}") from err
     predictions = {run.name: predict_with_bands(law, bootstrap, run) for run in targets}
+    summary = _summary_of(law, bootstrap, curves, targets, predictions, check, num_bootstrap, seed, out_path)
 
     rows = [dict(row) for _, row in table]
     for run in targets:
         for k, i in enumerate(where[run.name]):
             rows[i].update({c: _format(float(predictions[run.name][c][k])) for c in BAND_COLUMNS})
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+
+    def write_csv(f) -> None:
+        writer = csv.DictWriter(f, fieldnames=header + list(BAND_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    _write_atomically(sidecar_path(out_path), lambda f: f.write(json.dumps(summary, indent=2) + "\n"))
+    _write_atomically(out_path, write_csv)
+    return summary
+
+
+def _write_atomically(path: Path, write: Callable) -> None:
+    """Write `path` through `write(file)` into a temporary file beside it, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=header + list(BAND_COLUMNS))
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, out_path)
+            write(f)
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return _summary_of(law, bootstrap, curves, targets, predictions, num_bootstrap, seed, out_path)
 
 
 def load_prediction(path: str | Path) -> list[dict]:
@@ -324,7 +435,7 @@ class TrackCheck:
 
 
 class OnTrack:
-    """Compares each eval loss with the 95% band of one predicted run, interpolated at the eval's step.
+    """Compares each eval loss with the 95% band of one predicted run, and forecasts its final loss.
 
     A run is off track after OFF_TRACK_AFTER consecutive evals outside the band: one bad eval is
     noise (the band misses 5% of evals by design), two in a row happen by chance ~0.25% of the time
@@ -333,12 +444,20 @@ class OnTrack:
     reaches its peak) and steps beyond the prediction's range are not checked: the law says nothing
     there. A non-finite loss counts as outside.
 
+    Beside the fixed band it keeps a live forecast of the final loss (`forecast.ForecastFinal`: the
+    prediction as the prior, the checked evals pulling the run's offset); a forecast that leaves the
+    final step's 95% band opens a `forecast_off_track` incident, once per episode.
+
     As a watcher of `moelab.train.loop.train`, it warns before training if the prediction is for
-    another run (`check_run`), and gives each eval's record its `on_track` state and, when the run
-    goes off track, an `off_track` incident (`watch`). `source` names the prediction in the warning.
+    another run (`check_run`), and gives each eval's record its `on_track` state, the forecast
+    (`forecast/final`, `forecast/lo95`, `forecast/hi95`) and, when the run goes off track or its
+    forecast leaves the final band, the incident (`watch`). `source` names the prediction in the warning.
+    `checkpoint_sd` (the fit's per-eval noise, from the prediction's sidecar JSON) sets how much one eval
+    moves the forecast.
     """
 
-    def __init__(self, pred_rows: Sequence[dict], run: str | None = None, source: str = "the prediction"):
+    def __init__(self, pred_rows: Sequence[dict], run: str | None = None, source: str = "the prediction",
+                 checkpoint_sd: float | None = None):
         names = list(dict.fromkeys(row["run"] for row in pred_rows))
         if not names:
             raise DataError("the prediction has no rows; run `moelab ladder fit` to write PRED.csv first.")
@@ -356,6 +475,9 @@ class OnTrack:
         self._band = {k: np.array([r[k] for r in rows]) for k in ("loss_pred", "lo95", "hi95")}
         self._first_step = float(planned.steps[int(np.argmax(fitted_rows(planned)))])
         self._misses = 0
+        self.forecast = ForecastFinal(planned.steps, self._band["loss_pred"], self._band["lo95"][-1],
+                                      self._band["hi95"][-1], checkpoint_sd)
+        self._forecast_outside = False
 
     def check(self, step: int, loss: float) -> TrackCheck:
         """Record one eval; says whether it is inside the band and whether the run just went off track."""
@@ -387,15 +509,35 @@ class OnTrack:
                           "the ladder's target.yaml against it, or refit the ladder for this run.", stacklevel=3)
 
     def watch(self, step: int, eval_mean: float) -> tuple[dict, list[dict]]:
-        """One eval as the training loop sees it: {"on_track": state}, and the off_track incident it opens."""
+        """One eval as the training loop sees it: its `on_track` state and forecast, and the incidents it opens."""
         check = self.check(step, eval_mean)
         incidents = [{"rule": check.rule, "module": "loss", "values": check.values}] if check.opens_incident else []
-        return {"on_track": check.state}, incidents
+        if check.state == "unchecked":  # warmup or past the prediction: the law says nothing there
+            return {"on_track": check.state}, incidents
+        forecast = self.forecast.update(step, eval_mean)
+        outside = not self.forecast.inside(forecast)
+        if outside and not self._forecast_outside:
+            incidents.append({"rule": "forecast_off_track", "module": "loss",
+                              "values": {**forecast, "lo95": self.forecast.lo95, "hi95": self.forecast.hi95}})
+        self._forecast_outside = outside
+        return {"on_track": check.state, **forecast}, incidents
+
+
+def sidecar_path(pred_path: str | Path) -> Path:
+    """PRED.csv's sidecar JSON (the fit summary, the noise and the self-check): PRED.json beside it."""
+    return Path(pred_path).with_suffix(".json")
 
 
 def load_on_track(path: str | Path) -> OnTrack:
-    """The on-track watcher of PRED.csv's run (its only one)."""
-    return OnTrack(load_prediction(path), source=str(path))
+    """The on-track watcher of PRED.csv's run (its only one), with the fit's noise from its sidecar if present."""
+    sidecar, checkpoint_sd = sidecar_path(path), None
+    if sidecar.is_file():
+        try:
+            checkpoint_sd = float(json.loads(sidecar.read_text())["noise"]["checkpoint_sd"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{sidecar} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it or "
+                            "refit to rewrite it.") from None
+    return OnTrack(load_prediction(path), source=str(path), checkpoint_sd=checkpoint_sd)
 
 
 def compute_equivalent_speedup(baseline_fit: EnvelopeFit, candidate_loss: float, candidate_compute: float) -> float:

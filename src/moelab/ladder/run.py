@@ -13,7 +13,7 @@ Layout of `--out`:
     target.csv         the target's planned schedule at its eval steps (TARGET.csv)
     target.yaml        the target's run config, as predicted: `moelab train target.yaml --predicted ...`
     prediction.csv     target rows + loss_pred, lo80, hi80, lo95, hi95 (PRED.csv)
-    fit.json           the fitted law's summary
+    prediction.json    its sidecar: the fitted law, its noise, the leave-largest-out self-check, notes
 
 The loss of a checkpoint is `eval/mean`, the mean held-out loss over the data domains.
 """
@@ -21,10 +21,9 @@ The loss of a checkpoint is `eval/mean`, the mean held-out loss over the data do
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
@@ -89,21 +88,21 @@ def rung_dir(out: Path, cfg: RunConfig) -> Path:
 
 
 def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out: Path,
-                    num_bootstrap: int = NUM_BOOTSTRAP) -> dict:
-    """From finished rungs (config, run dir): write curves.csv, target.csv, prediction.csv and fit.json."""
+                    num_bootstrap: int = NUM_BOOTSTRAP, progress: Callable[[Iterable], Iterable] = iter) -> dict:
+    """From finished rungs (config, run dir): write curves.csv, target.csv, prediction.csv and its sidecar."""
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "curves.csv", [row for cfg, run_dir in rungs for row in curve_rows(cfg, run_dir)])
     write_csv(out / "target.csv", target_rows(target))
     (out / "target.yaml").write_text(dump_yaml(target))  # the run the prediction is for, ready to train
-    summary = fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap)
-    (out / "fit.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap,
+                      progress=progress)
 
 
-def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict]) -> dict:
+def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],
+               progress: Callable[[Iterable], Iterable] = iter) -> dict:
     """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target."""
     rungs, target = plan_ladder(recipe)
     for cfg in rungs:
         if not (rung_dir(out, cfg) / SUMMARY).is_file():
             train_fn(cfg, rung_dir(out, cfg))
-    return fit_and_predict([(cfg, rung_dir(out, cfg)) for cfg in rungs], target, out)
+    return fit_and_predict([(cfg, rung_dir(out, cfg)) for cfg in rungs], target, out, progress=progress)

@@ -12,6 +12,12 @@ A recipe YAML names the target and the rung shapes:
     target: {preset: tiny, overrides: {train.steps: 2000}}    # or a full RunConfig mapping
     rungs: [[32, 2], [48, 2], [64, 3]]                          # (d_model, num_layers)
     rung_batch_size: 16                                         # default: the target's batch size
+    lr_exponent: 0.5                                            # default 0: every rung at the target's LR
+
+The curve law assumes every rung is tuned like the target. `lr_exponent` k is the recipe's LR
+transfer rule, lr(d) = lr_target * (d_target / d)^k: 0 keeps one LR; 1 is muP's rule for Adam's
+hidden matrices (Yang et al. 2022, "Tensor Programs V"); in between is what a per-rung sweep of a
+model this small usually finds. Measure it with a small sweep (docs/scaling-ladder.md) and store it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from moelab.config import RunConfig, read_yaml
 from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
-__all__ = ["LadderRecipe", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
+__all__ = ["LadderRecipe", "rung_lr", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
            "check_monotone"]
 
 
@@ -35,6 +41,7 @@ class LadderRecipe:
     target: RunConfig
     shapes: tuple[tuple[int, int], ...]  # (d_model, num_layers) per rung, smallest first
     rung_batch_size: int | None = None  # None: the target's batch size
+    lr_exponent: float = 0.0  # rung LR = target LR * (target d_model / rung d_model) ** lr_exponent
 
     def __post_init__(self) -> None:
         if len(self.shapes) < 2:
@@ -43,6 +50,10 @@ class LadderRecipe:
         if self.rung_batch_size is not None and not _whole(self.rung_batch_size):
             raise ConfigError(f"ladder rung_batch_size={self.rung_batch_size!r} is invalid: must be an integer >= 1, "
                               "or null for the target's batch size.")
+        exponent = self.lr_exponent
+        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent <= 2:
+            raise ConfigError(f"ladder lr_exponent={exponent!r} is invalid: must be a number in [0, 2] (0: the "
+                              "target's LR for every rung; 1: muP's 1/width rule for Adam).")
 
 
 def _whole(value) -> bool:
@@ -50,8 +61,14 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def rung_lr(recipe: LadderRecipe, d_model: int) -> float:
+    """The recipe's LR for a rung of width `d_model` (its transfer rule; see the module docstring)."""
+    return recipe.target.train.lr * (recipe.target.model.d_model / d_model) ** recipe.lr_exponent
+
+
 def rungs_of(recipe: LadderRecipe) -> list[RunConfig]:
-    return [make_rung(recipe.target, d, layers, recipe.rung_batch_size) for d, layers in recipe.shapes]
+    return [make_rung(recipe.target, d, layers, recipe.rung_batch_size, lr=rung_lr(recipe, d))
+            for d, layers in recipe.shapes]
 
 
 def preset_recipe(name: str) -> LadderRecipe:
@@ -75,10 +92,10 @@ def recipe_from_data(data: dict, where: str = "ladder recipe") -> LadderRecipe:
     """A recipe from plain data (a recipe file's content, or an experiment spec's `ladder:`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping with the keys target and rungs; got {data!r}.")
-    unknown = sorted(set(data) - {"target", "rungs", "rung_batch_size"})
+    unknown = sorted(set(data) - {"target", "rungs", "rung_batch_size", "lr_exponent"})
     if unknown or "target" not in data or "rungs" not in data:
-        raise ConfigError(f"{where} must have the keys target and rungs (and optionally rung_batch_size); "
-                          f"got {sorted(data)}.")
+        raise ConfigError(f"{where} must have the keys target and rungs (and optionally rung_batch_size, "
+                          f"lr_exponent); got {sorted(data)}.")
     rungs = data["rungs"]
     try:  # every message below starts with `where`, the file or spec it came from
         if not (isinstance(rungs, (list, tuple))
@@ -86,7 +103,8 @@ def recipe_from_data(data: dict, where: str = "ladder recipe") -> LadderRecipe:
             raise ConfigError(f"rungs={rungs!r} must be a list of [d_model, num_layers] pairs of integers >= 1, "
                               "e.g. rungs: [[32, 2], [48, 2], [64, 3]].")
         target = presets.resolve(data["target"])
-        return LadderRecipe(target, tuple((d, layers) for d, layers in rungs), data.get("rung_batch_size"))
+        return LadderRecipe(target, tuple((d, layers) for d, layers in rungs), data.get("rung_batch_size"),
+                            data.get("lr_exponent", 0.0))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -1,0 +1,68 @@
+"""A live forecast of a run's final loss: the ladder's prediction as the prior, the run's evals as data.
+
+The pre-registered band (PRED.csv) is the hypothesis and never moves. Beside it, each eval updates a
+forecast of the final loss. The model: the run sits a constant relative offset rho off the
+predicted curve, loss(t) = pred(t) * (1 + rho), and each eval sees it through noise,
+
+    rho ~ N(0, s0^2)                   s0 = the prediction's own 95% half-width at the final step / 1.96,
+                                             relative to loss_pred there (what the ladder knew)
+    r_j = loss_j / pred_j - 1 = rho + e_j,   e_j ~ N(0, s_e^2)
+
+so the posterior of rho is Gaussian with precision 1/s0^2 + sum_j w_j / s_e^2 and mean
+sum_j w_j r_j / s_e^2 over it (a conjugate normal update). Relative, because a healthy run's
+residuals scale with its loss: early evals are larger and noisier in absolute terms. The weights
+w_j = 2^-(age_j / HALF_LIFE) discount older evals: a run that drifts (an LR too low closes part of
+its gap, a spike opens one) is judged by where it is now, and the evidence never counts as more than
+~HALF_LIFE / ln 2 + 1 evals, so the forecast keeps the per-eval noise in its band. s_e is the fit's
+checkpoint noise relative to the final loss when the prediction's sidecar JSON has it (`noise`),
+else s0: one eval is worth as much as the whole ladder.
+
+    forecast = ForecastFinal(pred_steps, loss_pred, lo95_final, hi95_final, checkpoint_sd)
+    forecast.update(step, loss)   # -> {"forecast/final": ..., "forecast/lo95": ..., "forecast/hi95": ...}
+
+A forecast outside [lo95, hi95] of the final step says the run will likely end off its hypothesis,
+usually long before its own evals have left the per-step band twice in a row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["HALF_LIFE", "ForecastFinal"]
+
+HALF_LIFE = 2.0  # evals: an eval's weight halves every 2 evals after it
+_Z95 = 1.959963984540054
+
+
+class ForecastFinal:
+    """The posterior of a run's final loss after each eval; see the module docstring."""
+
+    def __init__(self, steps: Sequence[float], loss_pred: Sequence[float], lo95: float, hi95: float,
+                 checkpoint_sd: float | None = None):
+        self._steps = np.asarray(steps, dtype=np.float64)
+        self._pred = np.asarray(loss_pred, dtype=np.float64)
+        self.final_pred, self.lo95, self.hi95 = float(self._pred[-1]), float(lo95), float(hi95)
+        self.prior_sd = max((self.hi95 - self.lo95) / (2 * _Z95) / self.final_pred, 1e-9)
+        self.eval_sd = checkpoint_sd / self.final_pred if checkpoint_sd else self.prior_sd
+        self._residuals: list[float] = []
+
+    def update(self, step: int, loss: float) -> dict[str, float]:
+        """Take one eval (a non-finite loss is skipped); the forecast and its 95% band after it."""
+        pred = float(np.interp(step, self._steps, self._pred))
+        if math.isfinite(loss) and math.isfinite(pred) and pred > 0:
+            self._residuals.append(loss / pred - 1.0)
+        ages = np.arange(len(self._residuals))[::-1]
+        weights = 0.5 ** (ages / HALF_LIFE)
+        precision = 1.0 / self.prior_sd**2 + weights.sum() / self.eval_sd**2
+        offset = float(weights @ np.asarray(self._residuals)) / self.eval_sd**2 / precision if self._residuals else 0.0
+        half = _Z95 / math.sqrt(precision)
+        return {"forecast/final": self.final_pred * (1 + offset),
+                "forecast/lo95": self.final_pred * (1 + offset - half),
+                "forecast/hi95": self.final_pred * (1 + offset + half)}
+
+    def inside(self, forecast: dict[str, float]) -> bool:
+        """Whether a forecast lies inside the pre-registered band of the final step."""
+        return self.lo95 <= forecast["forecast/final"] <= self.hi95
