@@ -301,3 +301,20 @@ def test_prepare_on_the_command_line_shows_the_store_and_a_wrong_tokenizer_kind_
     assert code == 0 and json.loads(out)["store_hash"] == shown["store_hash"]
     with pytest.raises(DataError, match="data.tokenizer='bpe', but the token store .* byte tokenizer"):
         build_corpus(DataConfig(domains=data_config(corpus_dir).domains, tokenizer="bpe", store=str(tmp_path / "store")))
+
+
+def test_the_store_content_hash_is_part_of_a_training_steps_version(prepared, corpus_dir, tmp_path):
+    from moelab.lab.dag import step_versions
+    from moelab.lab.experiment import training_step
+
+    out = tmp_path / "store"
+    shutil.copytree(prepared[0], out)
+    cfg = _store_run(corpus_dir, out)
+    before = step_versions([training_step("train", cfg)])["train"]
+    assert step_versions([training_step("train", cfg)])["train"] == before
+    shutil.rmtree(out)  # the same path, prepared again from other text: other tokens, another version
+    other = tmp_path / "other"
+    write_corpus(other, seed=2)
+    store_lib.prepare(data_config(other), out)
+    assert step_versions([training_step("train", cfg)])["train"] != before
+    assert "store_hashes" not in training_step("train", presets.get("tiny")).config  # in memory: versions as before

@@ -57,7 +57,7 @@ from moelab.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moelab.errors import DataError
 
 __all__ = ["FORMAT", "MANIFEST", "SPLITS", "DEFAULT_SHARD_TOKENS", "TokenStream", "Store", "prepare", "open_store",
-           "is_heldout", "split_stream", "sha256_file"]
+           "read_manifest", "store_hashes", "is_heldout", "split_stream", "sha256_file"]
 
 FORMAT = "moelab-token-store/1"
 MANIFEST = "manifest.json"
@@ -470,6 +470,29 @@ def open_store(location: str | Path) -> Store:
                         ) from None
     _verify(location, root, files)
     return Store(location, root, manifest)
+
+
+def read_manifest(location: str | Path) -> dict:
+    """A store's manifest alone (one small read, local or remote), without verifying its shards: for naming a
+    store's content hash, e.g. in an experiment's version. DataError if there is none."""
+    location = str(location)
+    try:
+        if remote.is_url(location):
+            return json.loads(remote.read_bytes(remote.join(location, MANIFEST)))
+        return json.loads((Path(location) / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{location} is not a token store: its {MANIFEST} cannot be read ({e}); prepare one with "
+                        "`moelab data prepare CONFIG --out STORE`.") from None
+
+
+def store_hashes(cfg: DataConfig) -> dict[str, str]:
+    """The content hash of the store each domain reads ({} when the data is built in memory)."""
+    hashes: dict[str, str] = {}
+    for domain in cfg.domains:
+        location = domain.store or cfg.store
+        if location:
+            hashes[domain.name] = read_manifest(location)["store_hash"]
+    return hashes
 
 
 def _verify(location: str, root: Path, files: dict[str, dict]) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Mapping
 
 from moelab.config import RunConfig, from_dict, load_yaml, to_dict
+from moelab.data.store import store_hashes
 from moelab.lab.dag import PlannedStep, Step, StepContext, StepOutcome, execute, plan, versioned
 from moelab.lab.ledger import Ledger, append, check_chain
 from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
@@ -60,7 +61,8 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
 
 def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
                   resources: Mapping[str, float] | None = None, predicted_by: str | None = None) -> Step:
-    """A step that trains `cfg`. Every field but the run's name is versioned: each one can change the outputs.
+    """A step that trains `cfg`. Every field but the run's name is versioned: each one can change the outputs,
+    and so is the content hash of each token store the data reads (`data.store`), which the path alone is not.
 
     With `predicted_by` (the name of a `fit_ladder` step among `deps`), each eval is checked against
     that step's predicted band.
@@ -68,6 +70,9 @@ def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
     run = to_dict(cfg)
     run_name = run.pop("name")
     config = {"run": versioned(run), "name": run_name, "predicted_by": predicted_by}
+    hashes = store_hashes(cfg.data)
+    if hashes:  # the tokens themselves: a store prepared again from changed sources is a new version
+        config["store_hashes"] = versioned(hashes)
     return Step(name, run_training, config, deps, dict(resources or {}))
 
 
