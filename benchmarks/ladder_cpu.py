@@ -1,56 +1,69 @@
 """A real scaling ladder on the embedded corpus, scored: predicted vs actual loss of a larger target.
 
     python benchmarks/ladder_cpu.py --json                       # experiments/ladder-cpu.yaml
-    python benchmarks/ladder_cpu.py --recipe R.yaml --out DIR
+    python benchmarks/ladder_cpu.py --recipe experiments/ladder-cpu-wide.yaml --out runs/ladder-cpu-wide
+    python benchmarks/ladder_cpu.py --seeds 3                    # the target with train.seed 0, 1, 2
 
-Trains the recipe's rungs, fits the schedule-aware curve law on every eval of every rung, predicts
-the target's whole eval curve with bands, then trains the target against that prediction and
-reports the final-loss error and the curve MAPE over the evals after the first 10% of tokens.
-Everything is resumable: re-running reuses finished rungs and the finished target.
+Trains the recipe's rungs, fits the schedule-aware curve law on every eval of every rung (with the
+leave-largest-out self-check), predicts the target's whole eval curve with bands, then trains the
+target with `--seeds` seeds, replays the on-track watcher (band and live forecast) over each one's
+evals, and reports, per seed and over the seeds, the
+final-loss error and the curve MAPE over the evals after the first 10% of tokens, the 95% band's
+coverage, and the seed-to-seed spread of the final loss: an error below that spread is the floor.
+Everything is resumable: re-running reuses finished rungs and finished targets.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
+import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from moelab import accounting
-from moelab.ladder.predict import load_on_track
+from moelab.ladder.predict import load_on_track, load_prediction, read_curves, score
 from moelab.ladder.rungs import load_recipe
-from moelab.ladder.run import curve_rows, plan_ladder, run_ladder
+from moelab.ladder.run import curve_rows, plan_ladder, run_ladder, write_csv
 from moelab.train.loop import train
-from moelab.train.outputs import INCIDENTS, SUMMARY
+from moelab.train.outputs import SUMMARY
 
 
-def score(pred_path: Path, actual: list[dict], total_tokens: int) -> dict:
-    """Final-loss error and MAPE of the predicted curve against the actual evals."""
-    pred = {int(r["step"]): r for r in csv.DictReader(open(pred_path))}
-    rows = [(r, pred[r["step"]]) for r in actual if r["step"] in pred]
-    late = [(a, p) for a, p in rows if a["tokens"] >= 0.1 * total_tokens]
-    ape = [abs(float(p["loss_pred"]) - a["loss"]) / a["loss"] for a, p in late]
-    final_actual, final_pred = rows[-1][0]["loss"], float(rows[-1][1]["loss_pred"])
-    inside = [float(p["lo95"]) <= a["loss"] <= float(p["hi95"]) for a, p in late]
-    return {
-        "final_actual": final_actual,
-        "final_predicted": final_pred,
-        "final_lo95": float(rows[-1][1]["lo95"]),
-        "final_hi95": float(rows[-1][1]["hi95"]),
-        "final_error": abs(final_pred - final_actual) / final_actual,
-        "mape_after_10pct": float(np.mean(ape)),
-        "evals_scored": len(late),
-        "band95_coverage": float(np.mean(inside)),
-    }
+def seed_dir(out: Path, seed: int) -> Path:
+    return out / "target" if seed == 0 else out / f"target-seed{seed}"
+
+
+def score_seed(pred_path: Path, target, run_dir: Path) -> dict:
+    """One trained target against PRED.csv, by `predict.score`, and the watcher replayed over its evals.
+
+    The targets train without a watcher, so a run can be scored against any prediction; `OnTrack`
+    sees nothing but each eval's step and `eval/mean`, so replaying it is what watching live gives.
+    """
+    tmp = run_dir / "curve.csv"
+    write_csv(tmp, curve_rows(target, run_dir))
+    (run,) = read_curves(tmp)
+    by_step = {int(r["step"]): r for r in load_prediction(pred_path)}
+    keep = np.array([int(s) in by_step for s in run.steps])
+    run = replace(run, steps=run.steps[keep], tokens=run.tokens[keep], lr=run.lr[keep], loss=run.loss[keep])
+    bands = {k: np.array([by_step[int(s)][k] for s in run.steps]) for k in ("loss_pred", "lo95", "hi95")}
+    watcher, rules, forecasts = load_on_track(pred_path), [], []
+    for step, loss in zip(run.steps, run.loss):
+        fields, incidents = watcher.watch(int(step), float(loss))
+        rules += [i["rule"] for i in incidents]
+        if "forecast/final" in fields:
+            forecasts.append([int(step), fields["forecast/final"]])
+    return {**score(bands, run), "off_track_incidents": rules.count("off_track"),
+            "forecast_off_track_incidents": rules.count("forecast_off_track"), "forecast_final": forecasts}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="experiments/ladder-cpu.yaml")
     parser.add_argument("--out", default="runs/ladder-cpu")
+    parser.add_argument("--seeds", type=int, default=3, help="train the target with train.seed 0..SEEDS-1")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -59,24 +72,42 @@ def main() -> None:
     fit = run_ladder(recipe, out, lambda cfg, run_dir: train(cfg, run_dir))
     ladder_s = time.perf_counter() - start
     _, target = plan_ladder(recipe)
-    target_dir = out / "target"
-    if not (target_dir / SUMMARY).is_file():
-        train(target, target_dir, watchers=[load_on_track(out / "prediction.csv")])
-    total_s = time.perf_counter() - start
+    seeds = {}
+    for seed in range(args.seeds):
+        cfg = replace(target, train=replace(target.train, seed=seed))
+        run_dir = seed_dir(out, seed)
+        if not (run_dir / SUMMARY).is_file():
+            train(cfg, run_dir)
+        seeds[seed] = score_seed(out / "prediction.csv", cfg, run_dir)
+    finals = [s["final_actual"] for s in seeds.values()]
+    mean_final = statistics.fmean(finals)
+    predicted = fit["targets"][0]["loss_pred"]
     result = {
         "benchmark": "ladder_cpu",
         "recipe": args.recipe,
-        "rungs": [{"name": r["name"], "active_params": r["active_params"]} for r in fit.get("params_by_run", [])]
-        or [str(s) for s in recipe.shapes],
+        "rungs": [str(list(s)) for s in recipe.shapes],
+        "lr_exponent": recipe.lr_exponent,
         "target": target.name,
         "target_active_params": accounting.count_params(target.model).active,
         "target_tokens": accounting.train_tokens(target),
         "law": fit["law"],
+        "params": fit["params"],
+        "noise": fit["noise"],
         "ladder_seconds": ladder_s,
-        "total_seconds": total_s,
-        "off_track_incidents": sum(1 for line in open(target_dir / INCIDENTS)
-                                   if json.loads(line)["rule"] == "off_track"),
-        **score(out / "prediction.csv", curve_rows(target, target_dir), accounting.train_tokens(target)),
+        "total_seconds": time.perf_counter() - start,
+        "final_predicted": predicted,
+        "final_lo95": fit["targets"][0]["lo95"],
+        "final_hi95": fit["targets"][0]["hi95"],
+        "band95_half_width": fit["targets"][0]["band95_half_width"],
+        "final_actual_mean": mean_final,
+        "final_error_vs_seed_mean": (predicted - mean_final) / mean_final,
+        "final_error_max_abs": max(abs(s["final_error"]) for s in seeds.values()),
+        "seed_spread": statistics.stdev(finals) / mean_final if len(finals) > 1 else None,
+        "mape_after_10pct": statistics.fmean(s["mape_after_10pct"] for s in seeds.values()),
+        "band95_coverage": statistics.fmean(s["band95_coverage"] for s in seeds.values()),
+        "self_check": fit["self_check"],
+        "notes": fit["notes"],
+        "seeds": seeds,
     }
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 

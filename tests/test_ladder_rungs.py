@@ -135,3 +135,28 @@ def test_ladder_run_trains_rungs_fits_and_predicts_the_target(tmp_path, monkeypa
     run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)
     assert (out / "rungs" / "ladder-d16-l1" / "summary.json").stat().st_mtime == mtime
     assert len(rungs_of(LadderRecipe(presets.get("tiny"), ((16, 1), (32, 1)), 8))) == 2
+
+
+def test_data_epochs_count_the_passes_over_each_domain_and_warn_past_one():
+    """The old ladder-cpu target (default mixture, 3.35M tokens) read the ~0.65M-token prose split
+    2.1 times; the recipe's own phases keep every domain under one pass."""
+    from moelab.ladder.rungs import data_epochs, load_recipe, repeated_data
+
+    cfg = load_recipe("experiments/ladder-cpu.yaml").target
+    sizes = {"code": 3_557_343, "prose": 645_465, "arithmetic": 901_890}
+    tokens = accounting.train_tokens(cfg)
+    epochs = data_epochs(cfg, sizes)
+    assert epochs["prose"] == pytest.approx(0.15 * tokens / sizes["prose"])
+    assert epochs["arithmetic"] == pytest.approx((0.8 * 0.10 + 0.2 * 0.35) * tokens / sizes["arithmetic"])
+    assert repeated_data([cfg], sizes) == []
+    default_mix = override(cfg, {"data.phases": []})
+    (warning,) = repeated_data([default_mix], sizes)
+    assert warning.startswith("ladder-cpu-target reads prose 2.13x: repeated data bends its loss away")
+
+
+def test_rungs_take_the_recipes_lr_rule():
+    recipe = LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=1.0)
+    lrs = [cfg.train.lr for cfg in rungs_of(recipe)]
+    assert lrs == pytest.approx([3e-3 * 64 / 32, 3e-3])
+    with pytest.raises(ConfigError, match=r"lr_exponent=-1 is invalid: must be a number in \[0, 2\]"):
+        LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=-1)

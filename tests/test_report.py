@@ -282,3 +282,28 @@ def test_html_loads_in_headless_chromium(lab, tmp_path, monkeypatch, capsys):
         assert f'<section id="{sid}">' in done.stdout, sid
     console = [line for line in done.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
+
+
+def test_report_plots_the_live_forecast_and_states_the_self_check(lab, tmp_path, monkeypatch, capsys):
+    """A run watched against a prediction: forecast/final in its eval records, the sidecar's self-check."""
+    ledger, _, root = lab
+    run_dir = next((root / "rep-tiny").glob("train-*"))
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    forecast = [{"step": s, "forecast/final": f, "forecast/lo95": f - 0.1, "forecast/hi95": f + 0.1}
+                for s, f in ((5, 4.2), (10, 4.6))]
+    check = {"self_check": {"held_out": ["ladder-d80-l3"], "final_error": -0.052, "mape_after_10pct": 0.04,
+                            "trusted": False}}
+    extra = {"prediction.csv": "step,loss_pred,lo80,hi80,lo95,hi95\n5,5.0,4.5,5.5,4.0,6.0\n10,4.0,3.8,4.2,3.7,4.3\n",
+             "prediction.json": json.dumps(check)}
+    try:
+        (run_dir / "metrics.jsonl").write_text(metrics + "".join(json.dumps(r) + "\n" for r in forecast))
+        with run_files(run_dir, extra, tmp_path / "aside"):
+            code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path)],
+                                   monkeypatch, capsys)
+    finally:
+        (run_dir / "metrics.jsonl").write_text(metrics)
+    assert code == 0, err
+    loss = section((tmp_path / "report.html").read_text(), "loss-curve")
+    assert loss.count("<img") == 2 and "forecast/final" in loss
+    assert "refitted without ladder-d80-l3, the law predicted its final loss -5.20% off" in loss
+    assert "FAILED: the prediction is not to be trusted" in loss

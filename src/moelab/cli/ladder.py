@@ -51,12 +51,24 @@ def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt =
     if json_out:
         print(json.dumps(rows))
         return
-    table = Table("name", "d", "layers", "active", "total", "tokens", "steps", "FLOPs", title="ladder plan")
+    table = Table("name", "d", "layers", "active", "total", "tokens", "steps", "LR", "FLOPs", title="ladder plan")
     for row in rows:
         table.add_row(row["name"], str(row["d_model"]), str(row["num_layers"]), f"{row['active_params']:.4g}",
-                      f"{row['total_params']:.4g}", f"{row['tokens']:.4g}", f"{row['steps']:,}",
+                      f"{row['total_params']:.4g}", f"{row['tokens']:.4g}", f"{row['steps']:,}", f"{row['lr']:.3g}",
                       f"{row['train_flops']:.3g}")
     out_console.print(table)
+    if preset is None:  # a preset's data is the frontier's (not on this machine); a recipe's is read
+        _warn_repeated_data(configs + [r.target])
+
+
+def _warn_repeated_data(configs) -> None:
+    """Warn for each config that would read a domain of its data more than once (`rungs.repeated_data`)."""
+    from moelab.ladder.rungs import repeated_data
+    from moelab.train.loop import prepare_corpus
+
+    corpus = prepare_corpus(configs[-1])
+    for warning in repeated_data(configs, {d: len(tokens) for d, tokens in corpus.train.items()}):
+        print_problem("Warning", warning, "yellow")
 
 
 @ladder_app.command()
@@ -68,7 +80,12 @@ def run(
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
     from moelab.ladder.run import run_ladder
 
-    summary = run_ladder(_recipe(recipe, None), out, run_training, progress=_bootstrap_bar)
+    from moelab.ladder.run import plan_ladder
+
+    ladder = _recipe(recipe, None)
+    rungs, target = plan_ladder(ladder)
+    _warn_repeated_data(rungs + [target])
+    summary = run_ladder(ladder, out, run_training, progress=_bootstrap_bar)
     if json_out:
         print(json.dumps(summary))
         return

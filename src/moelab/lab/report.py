@@ -246,6 +246,36 @@ def _hypothesis(experiment: Experiment, metrics: list[dict], summary: dict) -> S
     return sec
 
 
+def _forecast_plot(metrics: list[dict], band: dict) -> bytes:
+    """The live forecast of the final loss at each eval against the pre-registered final band (flat)."""
+    steps, final = _series(metrics, "forecast/final")
+    _, lo = _series(metrics, "forecast/lo95")
+    _, hi = _series(metrics, "forecast/hi95")
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.axhspan(band["lo95"][-1], band["hi95"][-1], alpha=0.15, color="C2", label="pre-registered final 95%")
+    ax.axhline(band["loss_pred"][-1], ls="--", color="C2", label="pre-registered final")
+    ax.fill_between(steps, lo, hi, alpha=0.25, color="C0", label="forecast 95%")
+    ax.plot(steps, final, marker="o", markersize=3, color="C0", label="forecast/final")
+    ax.set(title="forecast of the final loss", xlabel="step", ylabel="final loss (nats / token)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _self_check_text(pred_path: Path) -> str | None:
+    """The prediction's leave-largest-out self-check, from its sidecar JSON, as one sentence."""
+    sidecar = pred_path.with_suffix(".json")
+    try:
+        check = json.loads(sidecar.read_text())["self_check"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if "skipped" in check:
+        return f"Self-check skipped: {check['skipped']}"
+    verdict = "inside the target's band" if check.get("trusted") else "FAILED: the prediction is not to be trusted"
+    return (f"Self-check before training: refitted without {', '.join(check['held_out'])}, the law predicted its "
+            f"final loss {check['final_error']:+.2%} off (MAPE {check['mape_after_10pct']:.2%}), {verdict}.")
+
+
 def _loss_curve(metrics: list[dict], out: Path, run_body: dict) -> Section:
     sec = Section("loss-curve", "Loss curve")
     pred_path, band = _read_prediction(out, run_body)
@@ -253,8 +283,15 @@ def _loss_curve(metrics: list[dict], out: Path, run_body: dict) -> Section:
     sec.img("loss_curve", _line_plot(series, "loss", "loss (nats / token)", band or None))
     if pred_path is None:
         sec.note("No predicted band: the run has no prediction.csv (from `moelab ladder`) beside it or on its record.")
-    else:
-        sec.p(f"Predicted band from {pred_path}.")
+        return sec
+    sec.p(f"Predicted band from {pred_path}.")
+    check = _self_check_text(pred_path)
+    if check:
+        sec.p(check)
+    if _series(metrics, "forecast/final")[0]:
+        sec.img("forecast", _forecast_plot(metrics, band))
+        sec.p("The forecast uses the prediction as its prior and the run's own evals so far (forecast/final); the "
+              "shaded strip is the pre-registered band of the final step, which never moves.")
     return sec
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 from moelab import presets
 from moelab.accounting import count_params, flops_per_token, train_tokens
@@ -33,7 +34,7 @@ from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
 __all__ = ["LadderRecipe", "rung_lr", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
-           "check_monotone"]
+           "check_monotone", "data_epochs", "repeated_data"]
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,36 @@ def plan_rows(configs: list[RunConfig]) -> list[dict]:
         rows.append({
             "name": cfg.name, "d_model": cfg.model.d_model, "num_layers": cfg.model.num_layers,
             "active_params": counts.active, "total_params": counts.total, "tokens": tokens,
-            "steps": cfg.train.steps, "train_flops": float(flops_per_token(cfg.model)) * tokens,
+            "steps": cfg.train.steps, "lr": cfg.train.lr, "train_flops": float(flops_per_token(cfg.model)) * tokens,
         })
     return rows
+
+
+def data_epochs(cfg: RunConfig, train_sizes: Mapping[str, int]) -> dict[str, float]:
+    """Passes `cfg` makes over each domain's training split (`train_sizes`: tokens per domain).
+
+    The curve law, like every scaling law fitted on fresh data, assumes at most one: the held-out loss
+    of a domain read twice bends away from it (Muennighoff et al. 2023, "Scaling Data-Constrained
+    Language Models"). A ladder makes this worst at the target, whose tokens are the most.
+    """
+    total, used = train_tokens(cfg), dict.fromkeys(train_sizes, 0.0)
+    for phase in cfg.data.phases:
+        weight_sum = sum(phase.weights.values())
+        for domain, weight in phase.weights.items():
+            used[domain] += phase.fraction * weight / weight_sum * total
+    return {d: used[d] / max(size, 1) for d, size in train_sizes.items()}
+
+
+def repeated_data(configs: list[RunConfig], train_sizes: Mapping[str, int]) -> list[str]:
+    """A warning per config that reads some domain more than once (`data_epochs`), naming the domains."""
+    warnings = []
+    for cfg in configs:
+        over = {d: e for d, e in data_epochs(cfg, train_sizes).items() if e > 1.0}
+        if over:
+            warnings.append(f"{cfg.name} reads {', '.join(f'{d} {e:.2f}x' for d, e in over.items())}: repeated data "
+                            "bends its loss away from the law, so the prediction for it is biased low. Lower those "
+                            "domains' weights in data.phases, add data, or train fewer tokens.")
+    return warnings
 
 
 def check_monotone(configs: list[RunConfig]) -> None:
