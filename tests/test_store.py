@@ -318,3 +318,12 @@ def test_the_store_content_hash_is_part_of_a_training_steps_version(prepared, co
     store_lib.prepare(data_config(other), out)
     assert step_versions([training_step("train", cfg)])["train"] != before
     assert "store_hashes" not in training_step("train", presets.get("tiny")).config  # in memory: versions as before
+
+
+def test_the_benchmark_compares_the_libraries_on_the_same_windows(prepared, tmp_path):
+    from helpers import load_benchmark
+
+    bench = load_benchmark("data_store")
+    result = bench.bench_libraries(prepared[0], tmp_path, num_tokens=20_000)  # each reader checked against numpy
+    assert set(result) >= {"numpy_memmap_npy", "tensorstore_zarr", "arrow_ipc_mmap"}
+    assert all(r["random_batches_per_s"] > 0 and r["scan_tokens_per_s"] > 0 for r in result.values() if isinstance(r, dict))

@@ -41,6 +41,7 @@ import hashlib
 import itertools
 import json
 import math
+import mmap
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -431,8 +432,7 @@ class Store:
             raise DataError(f"data.domains[{domain}]: the token store {self.location} has no domain {domain} (it holds "
                             f"{', '.join(self.domains)}); prepare it into the store or rename the domain.")
         splits = self.manifest["domains"][domain]["splits"]
-        return tuple(TokenStream([np.load(self.root / s["tokens"], mmap_mode="r") for s in splits[split]["shards"]])
-                     for split in SPLITS)
+        return tuple(TokenStream([_map(self.root / s["tokens"]) for s in splits[split]["shards"]]) for split in SPLITS)
 
     def summary(self) -> dict:
         """Sources (path, size, SHA-256) and token counts per domain and split, for run directories and reports."""
@@ -441,6 +441,15 @@ class Store:
                                    "tokens": {split: d["splits"][split]["num_tokens"] for split in SPLITS},
                                    "documents": {split: d["splits"][split]["num_documents"] for split in SPLITS}}
                             for name, d in ((n, self.manifest["domains"][n]) for n in self.domains)}}
+
+
+def _map(path: Path) -> np.ndarray:
+    """A shard's tokens, memory-mapped for random reads: no readahead around each window, so the pages a run
+    keeps resident are the windows it read, not megabytes around each of them."""
+    array = np.load(path, mmap_mode="r")
+    if hasattr(array, "_mmap") and hasattr(mmap, "MADV_RANDOM"):
+        array._mmap.madvise(mmap.MADV_RANDOM)
+    return array
 
 
 def open_store(location: str | Path) -> Store:
