@@ -191,6 +191,9 @@ def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):
         "router_load.jsonl": json.dumps({"step": 10, "load": np.full((2, 8), 0.125).tolist()}) + "\n",
         "samples.jsonl": "\n".join(json.dumps({"step": s, "domain": "code", "prompt": "def f(",
                                                 "continuation": f"x{s})"}) for s in (5, 10)) + "\n",
+        "data.json": json.dumps({"store_hash": "ab12" * 16, "stores": [{"location": "s3://b/web", "domains": {
+            "web": {"tokens": {"train": 9000, "heldout": 1000}, "sources": [
+                {"path": "/d/web-0.jsonl", "bytes": 12345, "sha256": "cd34" * 16}]}}}]}),
     }
     with run_files(run_dir, extra, tmp_path / "aside"):
         code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path)],
@@ -201,6 +204,7 @@ def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):
     assert "Predicted band from" in section(page, "loss-curve")
     mixture = section(page, "mixture")
     assert "switch to midtrain &lt;b&gt;" in mixture and "<img" in mixture  # messages are escaped
+    assert "ab12" * 16 in mixture and "/d/web-0.jsonl" in mixture and "cd34" * 16 in mixture and "9000" in mixture
     assert section(page, "router").count("<img") == 2
     assert "x10)" in section(page, "samples") and "def f(" in section(page, "samples")
 

@@ -5,7 +5,7 @@
 
 `write_report` reads the experiment from the ledger (spec, amendments, run records) and its
 training step's output directory (metrics.jsonl, summary.json, config.yaml, incidents.jsonl and,
-when present, prediction.csv, mixture_log.jsonl, router_load.jsonl, samples.jsonl). Every section
+when present, prediction.csv, mixture_log.jsonl, data.json, router_load.jsonl, samples.jsonl). Every section
 is an element with a stable id (`SECTION_IDS`); a section whose source file is absent stays, with a
 note saying what is missing, so the page's shape never depends on the run. Plots are matplotlib
 (Agg) PNGs, inline as base64 in the HTML and written beside the Markdown. The page has no script.
@@ -36,7 +36,8 @@ import numpy as np
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import Experiment, Prediction, load_experiment
-from moelab.train.outputs import CONFIG, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl, read_summary
+from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
+                                 read_summary)
 
 __all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "find_run_dir", "router_load_heatmap",
            "Section", "build_sections", "render_html", "render_markdown", "write_report"]
@@ -312,8 +313,23 @@ def _per_domain(metrics: list[dict], summary: dict) -> Section:
     return sec
 
 
+def _data_sources(sec: Section, out: Path) -> None:
+    """The token stores the run read (OUT/data.json): content hash, sources with their hashes, tokens per domain."""
+    if not (out / DATA).is_file():
+        sec.note("Data built in memory at start-up (no token store): sources as in the config.")
+        return
+    provenance = json.loads((out / DATA).read_text())
+    sec.p(f"Trained on token store content {provenance['store_hash']}.")
+    sec.table(["store", "domain", "train tokens", "held-out tokens", "source", "bytes", "SHA-256"],
+              [[store["location"], name, domain["tokens"]["train"], domain["tokens"]["heldout"], source["path"],
+                source["bytes"], source["sha256"]]
+               for store in provenance["stores"] for name, domain in store["domains"].items()
+               for source in domain["sources"]])
+
+
 def _mixture(out: Path) -> Section:
     sec = Section("mixture", "Data mixture")
+    _data_sources(sec, out)
     rows = read_jsonl(out / MIXTURE_LOG)
     if not rows:
         sec.note(f"No mixture log: {out / MIXTURE_LOG} does not exist (or is empty) for this run.")
