@@ -15,7 +15,8 @@ What it measures, each on text it generates (documents of words from a fixed Zip
 - sampler headroom: `sample_batch` batches/s from the store at tiny's shape against tiny's own steps/s;
 - libraries: random windows (the sampler's reads: 16 windows of seq_len + 1 tokens per batch) and a
   sequential scan, from the same tokens held as our `.npy` memmap, a TensorStore zarr array (Levanter's
-  choice) and an Arrow IPC file memory-mapped (what Hugging Face `datasets` keeps on disk).
+  choice) and an Arrow IPC file memory-mapped (what Hugging Face `datasets` keeps on disk), and the same
+  `.npy` read by position as training reads it (`TokenStream`).
 Prints one JSON object.
 """
 
@@ -174,7 +175,7 @@ def bench_libraries(store_dir: Path, work: Path, num_tokens: int = 1 << 25) -> d
     import pyarrow as pa
     import tensorstore as ts
 
-    from moelab.data.store import open_store
+    from moelab.data.store import ShardFile, TokenStream, open_store
 
     train, _ = open_store(store_dir).streams(open_store(store_dir).domains[0])
     num_tokens = min(num_tokens, len(train))
@@ -197,12 +198,16 @@ def bench_libraries(store_dir: Path, work: Path, num_tokens: int = 1 << 25) -> d
             w.write_batch(pa.record_batch([pa.array(tokens[i:i + (1 << 20)])], names=["t"]))
     column = pa.ipc.open_file(pa.memory_map(str(work / "lib.arrow"))).read_all().column("t")
 
+    ours = TokenStream([ShardFile(work / "lib.npy")])
     readers = {
+        "moelab_tokenstream_pread_npy": lambda s: ours[s[:, None] + np.arange(WINDOW)],
         "numpy_memmap_npy": lambda s: mm[s[:, None] + np.arange(WINDOW)],
         "tensorstore_zarr": lambda s: np.stack([f.result() for f in [zarr[int(a):int(a) + WINDOW].read() for a in s]]),
         "arrow_ipc_mmap": lambda s: np.stack([column.slice(int(a), WINDOW).to_numpy() for a in s]),
     }
     scans = {
+        "moelab_tokenstream_pread_npy": lambda: sum(int(ours[i:min(i + (1 << 22), num_tokens)].sum(dtype=np.int64))
+                                                    for i in range(0, num_tokens, 1 << 22)),
         "numpy_memmap_npy": lambda: sum(int(mm[i:i + (1 << 22)].sum()) for i in range(0, num_tokens, 1 << 22)),
         "tensorstore_zarr": lambda: sum(int(zarr[i:min(i + (1 << 22), num_tokens)].read().result().sum())
                                         for i in range(0, num_tokens, 1 << 22)),
@@ -219,6 +224,7 @@ def bench_libraries(store_dir: Path, work: Path, num_tokens: int = 1 << 25) -> d
         scan_s = time.perf_counter() - start
         assert total == int(tokens.sum(dtype=np.int64)), name
         results[name] = {"random_batches_per_s": batches_per_s, "scan_tokens_per_s": num_tokens / scan_s}
+    del ours
     for name in ("lib.npy", "lib.arrow"):
         (work / name).unlink()
     shutil.rmtree(work / "lib.zarr")

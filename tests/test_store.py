@@ -325,5 +325,5 @@ def test_the_benchmark_compares_the_libraries_on_the_same_windows(prepared, tmp_
 
     bench = load_benchmark("data_store")
     result = bench.bench_libraries(prepared[0], tmp_path, num_tokens=20_000)  # each reader checked against numpy
-    assert set(result) >= {"numpy_memmap_npy", "tensorstore_zarr", "arrow_ipc_mmap"}
+    assert set(result) >= {"moelab_tokenstream_pread_npy", "numpy_memmap_npy", "tensorstore_zarr", "arrow_ipc_mmap"}
     assert all(r["random_batches_per_s"] > 0 and r["scan_tokens_per_s"] > 0 for r in result.values() if isinstance(r, dict))

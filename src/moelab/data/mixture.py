@@ -6,7 +6,7 @@ under. `sample_batch` draws a batch from those weights that depends only on (see
 reproduces the uninterrupted one; `eval_batches` gives fixed held-out windows; `unigram_entropy` is the loss a
 model that ignores context would reach, the bar a trained model must beat. `MixtureLog` publishes the
 mixture as training goes (the run's `mixture_log.jsonl`). With `data.store` (or a domain's own `store`) the
-streams are memory-mapped from token stores prepared by `moelab data prepare` (`moelab.data.store`): same
+streams are read window by window from token stores prepared by `moelab data prepare` (`moelab.data.store`): same
 sampler, same semantics, and neither memory nor start-up grows with the corpus.
 
     corpus = build_corpus(cfg.data)                  # generated content from data.seed, not train.seed
@@ -62,7 +62,7 @@ class Corpus:
     """Token streams per domain: each document's tokens followed by eos, concatenated in document order."""
 
     domains: tuple[str, ...]
-    train: dict[str, np.ndarray | TokenStream]  # int32 [num_train_tokens]; memory-mapped from a token store
+    train: dict[str, np.ndarray | TokenStream]  # int32 [num_train_tokens]; or read from a token store
     heldout: dict[str, np.ndarray | TokenStream]  # int32 [num_heldout_tokens]
     tokenizer: Tokenizer
     provenance: dict | None = None  # from token stores: `store_hash` and each store's `Store.summary()`
@@ -122,7 +122,7 @@ def build_corpus(cfg: DataConfig) -> Corpus:
 
 
 def _corpus_from_stores(cfg: DataConfig) -> Corpus:
-    """The corpus memory-mapped from the token stores the domains name (`data.store` or their own `store`).
+    """The corpus read from the token stores the domains name (`data.store` or their own `store`).
 
     Every store must carry the same tokenizer, of the kind `data.tokenizer` names. `provenance.store_hash` is
     the one store's content hash, or with several stores a hash of each domain's store hash.
