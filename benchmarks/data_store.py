@@ -105,7 +105,7 @@ def bench_prepare(work: Path, sample_bytes: float) -> dict:
 
 
 STARTUP_SCRIPT = r"""
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from moelab.config import DataConfig, from_dict, read_data_yaml
 from moelab.data.mixture import build_corpus, eval_batches, sample_batch
@@ -122,24 +122,26 @@ sampler = 1000 / (time.perf_counter() - start)
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 mb = lambda key: int(status[key].split()[0]) / 1024 if key in status else None
 print(json.dumps({"data_startup_s": t_ready - t_import, "sampler_batches_per_s": sampler,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "rss_anon_mb": mb("RssAnon"), "rss_file_mb": mb("RssFile")}))
+                  "peak_rss_mb": mb("VmHWM"), "rss_anon_mb": mb("RssAnon"), "rss_file_mb": mb("RssFile")}))
 """
 
 
-def _run(cmd: list[str]) -> tuple[str, float, float]:
-    """Run `cmd`; returns (stdout, wall seconds, that child's own peak RSS in MB, from wait4)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        if proc.returncode:
-            raise RuntimeError(f"{cmd} failed ({proc.returncode}): {err.read()[-2000:]}")
-        return out.read(), wall, usage.ru_maxrss / 1024
+# Peak RSS as the process's own VmHWM, printed at exit: ru_maxrss (getrusage, wait4) also counts the
+# parent's pages the child shared between fork and exec, hundreds of MB here.
+_WITH_PEAK = ("import atexit, sys; atexit.register(lambda: sys.stderr.write('\\nVmHWM ' + next(l for l in "
+              "open('/proc/self/status') if l.startswith('VmHWM')).split(':')[1])); "
+              "sys.argv = ['moelab', *sys.argv[1:]]; from moelab.cli import main; main()")
+
+
+def _run(cmd: list[str]) -> tuple[str, float, float | None]:
+    """Run `cmd` (a `moelab` command line); returns (stdout, wall seconds, its peak RSS in MB)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _WITH_PEAK, *cmd], capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(f"{cmd} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    peak = [line.split()[1] for line in proc.stderr.splitlines() if line.startswith("VmHWM")]
+    return proc.stdout, wall, int(peak[-1]) / 1024 if peak else None
 
 
 def bench_size(work: Path, total_bytes: float) -> dict:
@@ -154,10 +156,11 @@ def bench_size(work: Path, total_bytes: float) -> dict:
     start = time.perf_counter()
     open_store(work / f"store-{tag}")
     first_open_s = time.perf_counter() - start
-    out, _, _ = _run([sys.executable, "-c", STARTUP_SCRIPT, str(data_yaml), str(work / f"store-{tag}")])
+    out = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT, str(data_yaml), str(work / f"store-{tag}")],
+                         capture_output=True, text=True, check=True).stdout
     startup = json.loads(out)  # the data path alone: its peak RSS is what the corpus size could grow
     train_out = work / f"run-{tag}"
-    out, wall, rss = _run([sys.executable, "-m", "moelab.cli", "train", "--preset", "tiny", "--data", str(data_yaml),
+    out, wall, rss = _run(["train", "--preset", "tiny", "--data", str(data_yaml),
                            "--set", f"data.store={work / f'store-{tag}'}", "--steps", "30", "--set",
                            "train.eval_every=30", "--out", str(train_out)])
     summary = json.loads(out.strip().splitlines()[-1])

@@ -46,6 +46,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -378,25 +379,32 @@ def _prepare_domain(folder: Path, documents: Iterator[tuple[int, str, str]], tok
     batch: list[tuple[int, str, str]] = []
     size = 0
 
-    def encode(batch: list[tuple[int, str, str]]) -> None:
-        for (index, split, _), ids in zip(batch, tokenizer.encode_batch([doc for _, _, doc in batch])):
+    def write(batch: list[tuple[int, str, str]], encoded: Future) -> None:
+        for (index, split, _), ids in zip(batch, encoded.result()):
             tokens = np.concatenate([ids, eos])
             writers[split].add(tokens, index + 1)
             counter["tokens"] += len(tokens)
         if on_progress:
             on_progress(counter["tokens"], counter["bytes"])
 
-    for index, split, doc in documents:
-        if index < skip[split]:
-            continue  # in a finished shard
-        batch.append((index, split, doc))
-        size += len(doc)
-        counter["bytes"] += len(doc)
-        if size >= _BATCH_BYTES:
-            encode(batch)
-            batch, size = [], 0
-    if batch:
-        encode(batch)
+    # One batch in flight: the tokenizer encodes it on both cores (it releases the GIL) while this thread
+    # reads and parses the next one and writes the previous one's tokens, in document order.
+    in_flight: tuple[list, Future] | None = None
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for index, split, doc in itertools.chain(documents, [(-1, "", "")]):
+            if index >= 0:
+                if index < skip[split]:
+                    continue  # in a finished shard
+                batch.append((index, split, doc))
+                size += len(doc)
+                counter["bytes"] += len(doc)
+            if batch and (size >= _BATCH_BYTES or index < 0):
+                submitted = (batch, pool.submit(tokenizer.encode_batch, [d for _, _, d in batch]))
+                if in_flight is not None:
+                    write(*in_flight)
+                in_flight, batch, size = submitted, [], 0
+        if in_flight is not None:
+            write(*in_flight)
     for writer in writers.values():
         writer.flush()
 
