@@ -221,11 +221,13 @@ def test_curve_law_fit_recovers_the_generating_law_exactly_from_noiseless_curves
 
 
 def test_curve_law_fit_recovers_the_generating_law_from_noisy_curves():
-    """Checkpoint noise sd 0.005 (no run offsets). Over 20 seeds the relative errors had sd 0.19% (E),
-    6.2% (A), 1.7% (alpha), 2.0% (B), 0.55% (beta), 1.0% (C) and 8.2% (tau); tolerances are ~3 sd.
-    The rmse of ~270 rows has a relative sd of ~4% (1 / sqrt(2n)); its tolerance is ~3.5 sd."""
+    """Checkpoint noise sd 0.005 (no run offsets). Over 20 seeds the relative errors had sd 0.25% (E),
+    7.1% (A), 1.9% (alpha), 5.6% (B), 1.4% (beta), 1.0% (C) and 8.3% (tau), fitting the ~233 rows past
+    the first 15% of each run's tokens (fit.TRANSIENT_FRACTION; the early rows pin B and beta most, so
+    those two spread more than when every row was fitted); tolerances are ~3 sd. The rmse has a
+    relative sd of ~4% (1 / sqrt(2n)); its tolerance is ~3.5 sd."""
     law = fit_curve_law(_ladder(np.random.default_rng(1), checkpoint_sd=0.005))
-    tolerance = {"e": 0.006, "a": 0.19, "alpha": 0.05, "b": 0.06, "beta": 0.017, "c": 0.03, "tau": 0.25}
+    tolerance = {"e": 0.008, "a": 0.21, "alpha": 0.06, "b": 0.17, "beta": 0.042, "c": 0.03, "tau": 0.25}
     for name, rel in tolerance.items():
         assert getattr(law, name) == pytest.approx(getattr(TRUE, name), rel=rel), name
     assert law.rmse == pytest.approx(0.005, rel=0.15)

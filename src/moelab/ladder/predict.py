@@ -58,6 +58,7 @@ from moelab.ladder.fit import (
     envelope_compute,
     fit_curve_law,
     fitted_rows,
+    past_warmup,
 )
 from moelab.ladder.forecast import ForecastFinal
 
@@ -473,7 +474,7 @@ class OnTrack:
         self.params, self.last_step = rows[0]["params"], int(max(r["step"] for r in rows))  # the planned run
         self._steps = planned.steps
         self._band = {k: np.array([r[k] for r in rows]) for k in ("loss_pred", "lo95", "hi95")}
-        self._first_step = float(planned.steps[int(np.argmax(fitted_rows(planned)))])
+        self._first_step = float(planned.steps[int(np.argmax(past_warmup(planned)))])
         self._misses = 0
         self.forecast = ForecastFinal(planned.steps, self._band["loss_pred"], self._band["lo95"][-1],
                                       self._band["hi95"][-1], checkpoint_sd)
