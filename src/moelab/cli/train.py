@@ -197,10 +197,15 @@ def training_progress(cfg: RunConfig):
         progress.console.print(f"Resuming from step {step} ({escape(str(path))}).", highlight=False, soft_wrap=True)
         progress.update(bar(), completed=step)
 
+    forecast = ""  # the live forecast of the final loss, from the last eval watched against a prediction
+
     def on_log(record: dict) -> None:
-        nonlocal staging
+        nonlocal staging, forecast
         staging = False
-        progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s", since=None)
+        if "forecast/final" in record:
+            forecast = f"  forecast {record['forecast/final']:.3f} ({record['on_track']})"
+        progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s{forecast}",
+                        since=None)
 
     def on_step(done: int) -> None:
         nonlocal staging
