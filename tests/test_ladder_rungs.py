@@ -160,3 +160,13 @@ def test_rungs_take_the_recipes_lr_rule():
     assert lrs == pytest.approx([3e-3 * 64 / 32, 3e-3])
     with pytest.raises(ConfigError, match=r"lr_exponent=-1 is invalid: must be a number in \[0, 2\]"):
         LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=-1)
+
+
+def test_rung_seeds_train_each_shape_with_more_init_seeds_under_their_own_names():
+    recipe = LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, rung_seeds=2)
+    rungs = rungs_of(recipe)
+    assert [(c.name, c.train.seed) for c in rungs] == [("ladder-d32-l2", 0), ("ladder-d32-l2-seed1", 1),
+                                                       ("ladder-d64-l2", 0), ("ladder-d64-l2-seed1", 1)]
+    assert rungs[0].model == rungs[1].model and rungs[0].train.steps == rungs[1].train.steps
+    with pytest.raises(ConfigError, match=r"rung_seeds=0 is invalid"):
+        LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, rung_seeds=0)

@@ -13,17 +13,23 @@ A recipe YAML names the target and the rung shapes:
     rungs: [[32, 2], [48, 2], [64, 3]]                          # (d_model, num_layers)
     rung_batch_size: 16                                         # default: the target's batch size
     lr_exponent: 0.5                                            # default 0: every rung at the target's LR
+    rung_seeds: 2                                               # default 1: runs per rung shape (train.seed 0, 1)
 
 The curve law assumes every rung is tuned like the target. `lr_exponent` k is the recipe's LR
 transfer rule, lr(d) = lr_target * (d_target / d)^k: 0 keeps one LR; 1 is muP's rule for Adam's
 hidden matrices (Yang et al. 2022, "Tensor Programs V"); in between is what a per-rung sweep of a
 model this small usually finds. Measure it with a small sweep (docs/scaling-ladder.md) and store it.
+
+`rung_seeds` trains each rung shape with that many init / data-order seeds. A small model's run
+carries an offset of its own (where its plateaus break, how its data order fell): the fit averages
+the seeds of a size, and the spread between them is run-to-run noise the size law cannot absorb, so
+the band's run term rests on more degrees of freedom.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -43,6 +49,7 @@ class LadderRecipe:
     shapes: tuple[tuple[int, int], ...]  # (d_model, num_layers) per rung, smallest first
     rung_batch_size: int | None = None  # None: the target's batch size
     lr_exponent: float = 0.0  # rung LR = target LR * (target d_model / rung d_model) ** lr_exponent
+    rung_seeds: int = 1  # runs per rung shape, with train.seed 0 .. rung_seeds - 1
 
     def __post_init__(self) -> None:
         if len(self.shapes) < 2:
@@ -51,6 +58,9 @@ class LadderRecipe:
         if self.rung_batch_size is not None and not _whole(self.rung_batch_size):
             raise ConfigError(f"ladder rung_batch_size={self.rung_batch_size!r} is invalid: must be an integer >= 1, "
                               "or null for the target's batch size.")
+        if not _whole(self.rung_seeds):
+            raise ConfigError(f"ladder rung_seeds={self.rung_seeds!r} is invalid: must be an integer >= 1 (runs per "
+                              "rung shape).")
         exponent = self.lr_exponent
         if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent <= 2:
             raise ConfigError(f"ladder lr_exponent={exponent!r} is invalid: must be a number in [0, 2] (0: the "
@@ -68,8 +78,13 @@ def rung_lr(recipe: LadderRecipe, d_model: int) -> float:
 
 
 def rungs_of(recipe: LadderRecipe) -> list[RunConfig]:
-    return [make_rung(recipe.target, d, layers, recipe.rung_batch_size, lr=rung_lr(recipe, d))
-            for d, layers in recipe.shapes]
+    """Every rung run, smallest shape first; a shape's seed-s run (s >= 1) is named `<rung>-seed<s>`."""
+    rungs = []
+    for d, layers in recipe.shapes:
+        rung = make_rung(recipe.target, d, layers, recipe.rung_batch_size, lr=rung_lr(recipe, d))
+        rungs += [rung] + [replace(rung, name=f"{rung.name}-seed{seed}", train=replace(rung.train, seed=seed))
+                           for seed in range(1, recipe.rung_seeds)]
+    return rungs
 
 
 def preset_recipe(name: str) -> LadderRecipe:
@@ -93,10 +108,10 @@ def recipe_from_data(data: dict, where: str = "ladder recipe") -> LadderRecipe:
     """A recipe from plain data (a recipe file's content, or an experiment spec's `ladder:`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a mapping with the keys target and rungs; got {data!r}.")
-    unknown = sorted(set(data) - {"target", "rungs", "rung_batch_size", "lr_exponent"})
+    unknown = sorted(set(data) - {"target", "rungs", "rung_batch_size", "lr_exponent", "rung_seeds"})
     if unknown or "target" not in data or "rungs" not in data:
         raise ConfigError(f"{where} must have the keys target and rungs (and optionally rung_batch_size, "
-                          f"lr_exponent); got {sorted(data)}.")
+                          f"lr_exponent, rung_seeds); got {sorted(data)}.")
     rungs = data["rungs"]
     try:  # every message below starts with `where`, the file or spec it came from
         if not (isinstance(rungs, (list, tuple))
@@ -105,7 +120,7 @@ def recipe_from_data(data: dict, where: str = "ladder recipe") -> LadderRecipe:
                               "e.g. rungs: [[32, 2], [48, 2], [64, 3]].")
         target = presets.resolve(data["target"])
         return LadderRecipe(target, tuple((d, layers) for d, layers in rungs), data.get("rung_batch_size"),
-                            data.get("lr_exponent", 0.0))
+                            data.get("lr_exponent", 0.0), data.get("rung_seeds", 1))
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
@@ -151,7 +166,8 @@ def repeated_data(configs: list[RunConfig], train_sizes: Mapping[str, int]) -> l
 
 
 def check_monotone(configs: list[RunConfig]) -> None:
-    """Rungs must grow in active parameters, else the ladder's x axis folds back."""
+    """Rung shapes must grow in active parameters, else the ladder's x axis folds back (seeds of one shape repeat it)."""
     sizes = [count_params(c.model).active for c in configs]
+    sizes = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]  # one per shape
     if any(b <= a for a, b in zip(sizes, sizes[1:])) or not math.isfinite(sum(sizes)):
         raise ConfigError(f"ladder rungs must grow in active parameters; got {sizes}. Order the rungs smallest first.")
