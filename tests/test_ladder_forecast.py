@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from moelab import presets
+from moelab.presets import scale_model
 from moelab.ladder.fit import curve_loss, fit_curve_law
 from moelab.ladder.predict import OnTrack, read_curves, read_target
 from moelab.ladder.run import curve_rows, target_rows, write_csv
@@ -28,9 +29,12 @@ STEPS, EVERY, HALF_BAND = 240, 12, 0.03
 
 
 def _config(data_seed: int = 0, lr_scale: float = 1.0):
+    """`tiny` at half its width (d32, two layers): the behaviour under test is the watcher's, not the size's."""
     cfg = presets.get("tiny")
-    return replace(cfg, name="watched", data=replace(cfg.data, seed=data_seed),
-                   train=replace(cfg.train, steps=STEPS, eval_every=EVERY, warmup_steps=EVERY, lr=cfg.train.lr * lr_scale))
+    model = scale_model(cfg.model, 32, 2)
+    return replace(cfg, name="watched", model=model, data=replace(cfg.data, seed=data_seed),
+                   train=replace(cfg.train, steps=STEPS, eval_every=EVERY, warmup_steps=EVERY, eval_batches=2,
+                                 lr=cfg.train.lr * lr_scale))
 
 
 @pytest.fixture(scope="module")
