@@ -28,3 +28,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+
+import pytest  # noqa: E402  (after the environment above, which must precede any JAX import)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tmp_path_factory):
+    """One `tiny` run trained 20 steps (checkpoint at the end), shared by the tests that use a finished
+    run: generate, export, eval. Read it; never write into it."""
+    from moelab import presets
+    from moelab.train.loop import train
+
+    out = tmp_path_factory.mktemp("trained-tiny") / "run"
+    cfg = presets.resolve("tiny", {"train.steps": 20, "train.eval_every": 20, "train.eval_batches": 1})
+    train(cfg, out)
+    return out

@@ -76,12 +76,13 @@ def init_router_bias(cfg: ModelConfig) -> jax.Array:
 # attention
 
 
-def apply_rope(x: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.Array:
     """Rotary position embedding, rotating the two halves of each head (the GPT-NeoX / Llama layout).
 
     Args:
         x: [B, S, N, H] queries or keys, H even.
         theta: base of the rotation frequencies.
+        offset: the position of x's first row (decoding with a KV cache: the cache's fill).
 
     Returns:
         [B, S, N, H] in x's dtype; the angles and the rotation are computed in float32.
@@ -89,7 +90,7 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
     S, H = x.shape[1], x.shape[-1]
     half = H // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
-    angle = jnp.arange(S, dtype=jnp.float32)[:, None] * freq[None, :]  # [S, H/2]
+    angle = (offset + jnp.arange(S, dtype=jnp.float32))[:, None] * freq[None, :]  # [S, H/2]
     cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

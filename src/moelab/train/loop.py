@@ -360,6 +360,7 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, c
         eval_initial = evaluate_state(start.state)
     outputs.write_config(out, cfg, writer)
     outputs.write_data(out, corpus.provenance, writer)
+    outputs.write_tokenizer(out, corpus.tokenizer, writer)
     if hooks.on_eval and start.step == 0:
         hooks.on_eval(0, eval_initial)
     logs = outputs.RunLogs(out, start.kept, sinks, writer)  # opened by the steps

@@ -10,6 +10,7 @@
     samples.jsonl       {"step", "domain", "prompt", "continuation"} per domain at each eval (`moelab.model.decode`)
     router_load.jsonl   {"step", "load": [layer][expert]}: the router's load EMA at each eval
     resumes.jsonl       {"step", "changes"}: one line per resume, with the config fields it changed
+    tokenizer.json      the run's Hugging Face tokenizer (BPE or loaded); absent for the byte tokenizer
     data.json           a run on token stores: `store_hash` and each store's sources, hashes and token counts
     summary.json        written when the run finishes: `step`, `loss`, `eval`, `eval_initial`, `eval_mean`,
                         `tokens`, `tokens_per_s`, `incidents`, `resumed_from`
@@ -37,7 +38,7 @@ from moelab.errors import ConfigError
 __all__ = ["CONFIG", "METRICS", "INCIDENTS", "MIXTURE_LOG", "SAMPLES", "ROUTER_LOAD", "RESUMES", "SUMMARY",
            "DATA", "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
            "read_summary", "finished_summary", "open_run_file", "write_config", "append_resume", "write_summary",
-           "write_data"]
+           "write_data", "TOKENIZER", "write_tokenizer"]
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -48,6 +49,7 @@ ROUTER_LOAD = "router_load.jsonl"
 RESUMES = "resumes.jsonl"
 SUMMARY = "summary.json"
 DATA = "data.json"
+TOKENIZER = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
 LOGS = (METRICS, INCIDENTS, MIXTURE_LOG, SAMPLES, ROUTER_LOAD)  # cut back to the checkpoint on a resume
 
@@ -140,6 +142,15 @@ def write_data(out: Path, provenance: dict | None, writer: bool) -> None:
     if provenance is not None:
         with open_run_file(out / DATA, "w", writer) as f:
             f.write(json.dumps(provenance, indent=1) + "\n")
+
+
+def write_tokenizer(out: Path, tokenizer: Any, writer: bool) -> None:
+    """OUT/tokenizer.json for a Hugging Face tokenizer (`save`), so sampling and export need no sources;
+    the byte tokenizer has no file. Written under a temporary name and renamed: never half a file."""
+    if writer and hasattr(tokenizer, "save"):
+        tmp = out / (TOKENIZER + ".tmp")
+        tokenizer.save(tmp)
+        os.replace(tmp, out / TOKENIZER)
 
 
 def write_summary(out: Path, summary: dict, writer: bool) -> None:

@@ -1,0 +1,91 @@
+"""A run's weights for use after training: the newest valid checkpoint's params and router bias, the
+run's config and its tokenizer (what `moelab generate`, `eval` and `export` read).
+
+    run = load_run("runs/tiny")            # DataError naming the folder and the fix if it cannot
+    logits, _ = transformer.apply(run.params, tokens, run.cfg.model, run.router_bias)
+
+The checkpoint is restored onto one device whatever mesh trained it (inference on a laptop of a run
+trained expert-parallel). The tokenizer is, in order: the byte tokenizer (`data.tokenizer: byte`),
+an explicit `tokenizer` path, `OUT/tokenizer.json` (written by training since issue 18), the
+tokenizer.json the config names, or the token store's. A run trained with `bpe` before runs saved
+their tokenizer has none of these: that is a DataError asking for `--tokenizer`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+
+from moelab.config import RunConfig, load_yaml
+from moelab.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from moelab.errors import ConfigError, DataError
+from moelab.train import outputs
+from moelab.train.checkpoint import Checkpointer
+from moelab.train.state import init_state
+
+__all__ = ["RunWeights", "load_run", "load_tokenizer"]
+
+
+class RunWeights(NamedTuple):
+    cfg: RunConfig
+    params: Any  # nested dict of float32 arrays, as `transformer.init` returns
+    router_bias: jax.Array  # [L, E]
+    step: int  # the checkpoint's step
+    tokenizer: Tokenizer
+
+
+def load_tokenizer(out: Path, cfg: RunConfig, tokenizer: Path | None = None) -> Tokenizer:
+    """The run's tokenizer (see the module docstring for the order); DataError if there is none."""
+    if tokenizer is not None:
+        return HFTokenizer.load(tokenizer)
+    if cfg.data.tokenizer == "byte":
+        return ByteTokenizer()
+    candidates = [out / outputs.TOKENIZER]
+    if cfg.data.tokenizer.endswith(".json"):
+        candidates.append(Path(cfg.data.tokenizer))
+    stores = {d.store or cfg.data.store for d in cfg.data.domains} - {None}
+    candidates += [Path(s) / "tokenizer.json" for s in sorted(stores) if "://" not in s]
+    for path in candidates:
+        if path.is_file():
+            return HFTokenizer.load(path)
+    raise DataError(f"run {out} has no tokenizer: data.tokenizer is {cfg.data.tokenizer!r} and none of "
+                    f"{', '.join(str(p) for p in candidates)} exists (runs trained before issue 18 did not save "
+                    "theirs). Pass the tokenizer.json it was trained with, e.g. --tokenizer STORE/tokenizer.json.")
+
+
+def load_run(out: str | Path, tokenizer: Path | None = None) -> RunWeights:
+    """The run in `out` at its newest valid checkpoint, on one device; DataError if `out` has none.
+
+    Args:
+        out: a run directory written by `moelab train` (`config.yaml`, `checkpoints/`).
+        tokenizer: a tokenizer.json to use instead of the run's own.
+    """
+    out = Path(out)
+    config = out / outputs.CONFIG
+    if not config.is_file():
+        raise DataError(f"{out} is not a moelab run: {config} does not exist. Give the --out folder of a "
+                        "`moelab train` run, e.g. runs/demo/steps/train-demo-tiny-... or runs/tiny.")
+    try:
+        cfg = load_yaml(config)
+    except ConfigError as e:
+        raise DataError(f"{config} does not load as a run config ({e}).") from None
+    ckpt_dir = out / outputs.CHECKPOINTS
+    if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        raise DataError(f"run {out} has no checkpoint in {ckpt_dir}: it has not saved one yet. Train it "
+                        f"(`moelab train {config} --out {out}`) or give another run.")
+    tok = load_tokenizer(out, cfg, tokenizer)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                        jax.eval_shape(lambda: init_state(cfg)))
+    checkpoints = Checkpointer(ckpt_dir, cfg.checkpoint)
+    try:
+        restored = checkpoints.restore_newest(like=like)
+    finally:
+        checkpoints.close()
+    if restored is None:
+        raise DataError(f"run {out} has no valid checkpoint in {ckpt_dir} (each one failed its manifest check "
+                        "and was moved aside); train it again to save one.")
+    state = restored.state
+    return RunWeights(cfg, state.params, state.router_bias, restored.step, tok)
