@@ -3,13 +3,15 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Local wheels (torch's CPU build for the test extras, see pyproject.toml), used when the folder exists.
+WHEELS ?= /opt/wheels
 
 .PHONY: demo test clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

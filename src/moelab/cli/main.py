@@ -3,6 +3,7 @@
     moelab presets | flops | train | replan        one run (cli/train.py)
     moelab demo                                    the open-lab loop `make demo` runs (cli/demo.py)
     moelab generate                                sample from a trained run (cli/generate.py)
+    moelab export                                  safetensors / Hugging Face export of a run (cli/export.py)
     moelab data ...                                token stores: prepare, show (cli/data.py)
     moelab lab ...                                 pre-registered experiments (cli/lab.py)
     moelab ladder ...                              scaling ladders (cli/ladder.py)
@@ -22,6 +23,7 @@ import typer
 from moelab.cli.common import EXIT_PREEMPTED, err_console, print_problem
 from moelab.cli.data import data_app
 from moelab.cli.demo import demo
+from moelab.cli.export import export
 from moelab.cli.generate import generate
 from moelab.cli.lab import lab_app
 from moelab.cli.ladder import ladder_app
@@ -40,6 +42,7 @@ app.command()(train)
 app.command()(replan)
 app.command()(demo)
 app.command()(generate)
+app.command()(export)
 
 
 def main() -> None:

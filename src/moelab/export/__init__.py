@@ -1,0 +1,1 @@
+"""Exports of finished runs: safetensors weights, config.json, tokenizer and README (`moelab.export.writer`)."""
