@@ -4,6 +4,7 @@
     moelab demo                                    the open-lab loop `make demo` runs (cli/demo.py)
     moelab generate                                sample from a trained run (cli/generate.py)
     moelab export                                  safetensors / Hugging Face export of a run (cli/export.py)
+    moelab eval                                    loss / perplexity / bits per byte on your data (cli/evaluate.py)
     moelab data ...                                token stores: prepare, show (cli/data.py)
     moelab lab ...                                 pre-registered experiments (cli/lab.py)
     moelab ladder ...                              scaling ladders (cli/ladder.py)
@@ -23,6 +24,7 @@ import typer
 from moelab.cli.common import EXIT_PREEMPTED, err_console, print_problem
 from moelab.cli.data import data_app
 from moelab.cli.demo import demo
+from moelab.cli.evaluate import evaluate
 from moelab.cli.export import export
 from moelab.cli.generate import generate
 from moelab.cli.lab import lab_app
@@ -43,6 +45,7 @@ app.command()(replan)
 app.command()(demo)
 app.command()(generate)
 app.command()(export)
+app.command("eval")(evaluate)
 
 
 def main() -> None:

@@ -1,0 +1,88 @@
+"""`moelab eval`: a run's loss, perplexity and bits per byte on your data, per domain.
+
+    moelab eval runs/tiny --data my-data.yaml             # a data section's domains (files, globs, hf:...)
+    moelab eval runs/tiny --data notes.txt --data web.jsonl.gz --json     # files, one domain each
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from moelab.cli.common import JsonOpt, err_console, out_console
+from moelab.cli.generate import RunArg, TokenizerOpt
+from moelab.config import DataConfig, DomainConfig, from_dict, read_data_yaml
+from moelab.errors import ConfigError
+
+__all__ = ["evaluate"]
+
+
+def _data_config(paths: list[Path]) -> DataConfig:
+    """The domains of each `--data`: a YAML file's data section, or a text / JSONL / Parquet file (or glob) as a
+    domain named after it."""
+    domains = []
+    for path in paths:
+        if path.suffix in (".yaml", ".yml"):
+            domains += from_dict(read_data_yaml(path), DataConfig).domains
+        else:
+            name = path.name.split(".")[0] or "data"
+            domains.append(DomainConfig(name=name, kind="files", paths=(str(path.absolute()),)))
+    names = [d.name for d in domains]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--data gives domains {names}, some twice; name each once (a data YAML names them).")
+    return DataConfig(domains=tuple(domains))
+
+
+def evaluate(
+    run: RunArg,
+    data: Annotated[Optional[list[Path]], typer.Option(
+        "--data", help="A data YAML (its domains) or a .txt/.jsonl/.parquet file or glob (one domain); "
+                       "repeatable.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Score at most this many tokens per domain.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Windows of seq_len tokens per forward.")] = 8,
+    tokenizer: TokenizerOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Loss, perplexity and bits per byte of a run's newest checkpoint on each domain of --data.
+
+    Every document is read whole and scored once (each token predicted once, documents separated by eos
+    as in training); bits per byte divides the summed loss by the text's UTF-8 bytes, so it compares across
+    tokenizers.
+    """
+    if not data:
+        raise ConfigError("give --data: a data YAML or a text / JSONL / Parquet file, e.g. "
+                          "`moelab eval runs/tiny --data notes.txt`.")
+    if batch_size < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ConfigError("--batch-size and --max-tokens must be >= 1.")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from moelab.evals.loss import domain_documents, evaluate_documents
+    from moelab.train.weights import load_run
+
+    cfg = _data_config(data)
+    weights = load_run(run, tokenizer)
+    documents = domain_documents(cfg)  # DataError naming a missing or malformed file, before any forward
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), console=err_console,
+                  transient=True) as progress:
+        tasks = {}
+
+        def on_batch(domain: str, done: int, total: int) -> None:
+            if domain not in tasks:
+                tasks[domain] = progress.add_task(domain, total=total)
+            progress.update(tasks[domain], completed=done)
+
+        scores = evaluate_documents(weights, documents, batch_size=batch_size, max_tokens=max_tokens,
+                                    on_batch=on_batch)
+    if json_out:
+        print(json.dumps({"run": str(run), "step": weights.step, "domains": {d: s._asdict() for d, s in scores.items()}}))
+        return
+    table = Table("domain", "loss", "perplexity", "bits/byte", "tokens", "bytes", "documents",
+                  title=f"{run} at step {weights.step}")
+    for domain, s in scores.items():
+        table.add_row(domain, f"{s.loss:.4f}", f"{s.perplexity:.3f}", f"{s.bits_per_byte:.4f}", f"{s.tokens:,}",
+                      f"{s.bytes:,}", f"{s.documents:,}")
+    out_console.print(table)

@@ -1,0 +1,64 @@
+"""`moelab eval`: loss, perplexity and bits per byte per domain agree with the model's own loss, every token
+is scored once, and bad input exits 2."""
+
+import dataclasses
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import run_cli
+
+from moelab.evals import loss as eval_loss
+from moelab.model import transformer
+from moelab.model.dispatch import make_dispatch
+from moelab.train.weights import load_run
+
+
+@pytest.fixture(scope="module")
+def trained(trained_tiny_run):
+    return load_run(trained_tiny_run)
+
+
+def test_windows_predict_every_token_after_the_first_exactly_once():
+    stream = np.arange(1, 24, dtype=np.int32)  # 23 tokens, 22 targets
+    rows, mask = eval_loss.windows(stream, 8)
+    targets = rows[:, 1:][mask]
+    np.testing.assert_array_equal(targets, stream[1:])
+    assert rows.shape == (3, 9) and mask.sum() == 22
+
+
+def test_eval_loss_is_the_models_own_loss_and_bits_per_byte_follow_from_it(trained):
+    seq_len = trained.cfg.model.seq_len
+    text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(seq_len))  # [eos] + 128 bytes: one full window
+    scores = eval_loss.evaluate_documents(trained, {"letters": [text]}, batch_size=2)
+    s = scores["letters"]
+    tokens = jnp.asarray(eval_loss.token_stream(trained.tokenizer, [text])[None])
+    assert tokens.shape == (1, seq_len + 1)
+    model = trained.cfg.model
+    dropless = make_dispatch(dataclasses.replace(model.moe, dispatch="dropless"))
+    _, aux = transformer.loss(trained.params, tokens, model, trained.router_bias, dispatch=dropless)
+    assert s.tokens == seq_len and s.bytes == seq_len and s.documents == 1
+    assert s.loss == pytest.approx(float(aux["ce"]), rel=1e-5)  # the same sum, in float64 here, float32 there
+    assert s.perplexity == pytest.approx(math.exp(s.loss))
+    assert s.bits_per_byte == pytest.approx(s.loss * s.tokens / s.bytes / math.log(2))
+
+
+def test_eval_command_scores_each_data_file_as_a_domain(trained_tiny_run, tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("def f(x):\n    return x + 1\n" * 20)
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": f"{a} + {a} = {2 * a}"}) + "\n" for a in range(30)))
+    code, out, err = run_cli(["eval", str(trained_tiny_run), "--data", str(tmp_path / "notes.txt"), "--data",
+                              str(tmp_path / "web.jsonl"), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result["domains"]) == {"notes", "web"}
+    web = result["domains"]["web"]
+    assert web["documents"] == 30 and web["tokens"] == web["bytes"] + 30 - 1  # a byte token each, and the eos between documents
+    assert all(0 < d["bits_per_byte"] < 10 for d in result["domains"].values())
+
+
+@pytest.mark.parametrize("args, expected", [([], "give --data"), (["--data", "missing.txt"], "missing.txt")])
+def test_eval_bad_input_exits_2(args, expected, trained_tiny_run, monkeypatch, capsys):
+    code, out, err = run_cli(["eval", str(trained_tiny_run), *args], monkeypatch, capsys)
+    assert code == 2 and out == "" and expected in err and "Traceback" not in err
