@@ -144,3 +144,32 @@ def test_an_unreachable_url_missing_credentials_or_bucket_exit_2_before_training
     assert not (tmp_path / "run").exists()
     code, _, err = run_cli(["data", "show", url.replace("runs", "stores")], monkeypatch, capsys)
     assert code == 2 and message in err, err
+
+
+def test_lab_run_publishes_the_runs_files_the_ledger_export_and_the_report(s3, tmp_path, monkeypatch, capsys):
+    import yaml
+    from test_executor import _tiny_spec
+
+    from moelab.lab.ledger import open_ledger, record_hash, records
+
+    monkeypatch.chdir(tmp_path)
+    spec = _tiny_spec("tiny-pub", "Two published steps", "Does lab run publish?", steps=2)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    lab = ["--ledger", str(tmp_path / "ledger.sqlite")]
+    assert run_cli(["lab", "register", "spec.yaml", *lab], monkeypatch, capsys)[0] == 0
+    url = f"s3://{BUCKET}/lab/tiny-pub"
+    code, _, err = run_cli(["lab", "run", "tiny-pub", "--publish", url, "--publish-every", "0", *lab],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    s3.invalidate_cache()
+    run_dir = next((tmp_path / "runs" / "lab" / "tiny-pub").glob("train-*"))
+    assert s3.cat(f"{BUCKET}/lab/tiny-pub/metrics.jsonl") == (run_dir / "metrics.jsonl").read_bytes()
+    exported = [json.loads(line) for line in s3.cat(f"{BUCKET}/lab/tiny-pub/ledger.jsonl").decode().splitlines()]
+    held = records(open_ledger(tmp_path / "ledger.sqlite"))
+    assert [r["seq"] for r in exported] == [r.seq for r in held[:len(exported)]]  # as of the run's last upload
+    assert exported[0]["kind"] == "experiment" and any(r["kind"] == "metric" for r in exported)
+    final = [json.loads(line) for line in s3.cat(f"{BUCKET}/lab/tiny-pub/report/ledger.jsonl").decode().splitlines()]
+    assert [r["hash"] for r in final] == [r.hash for r in held] and final[-1]["body"]["event"] == "finished"
+    assert all(record_hash(r["prev_hash"], r["seq"], r["kind"], r["key"], r["created_at"], r["body"]) == r["hash"]
+               for r in final)  # the export checks out without SQLite
+    assert b"<html" in s3.cat(f"{BUCKET}/lab/tiny-pub/report/report.html")

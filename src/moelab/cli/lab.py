@@ -194,6 +194,10 @@ def run(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run, resume, wait or skip; "
                                                           "run nothing.")] = False,
     json_out: JsonOpt = False,
+    publish: Annotated[Optional[str], typer.Option(
+        help="Copy each training step's mixture log, metrics, incidents, summary and the ledger's export to this "
+             "URL (s3://, gs://) or folder as it trains, then the report, each file a complete object.")] = None,
+    publish_every: Annotated[float, typer.Option(help="Seconds between publications (with --publish).")] = 3600.0,
 ) -> None:
     """Execute a registered experiment's DAG; refused if its spec file was edited without an amendment."""
     if backend not in BACKENDS:
@@ -216,10 +220,31 @@ def run(
     err_console.print(f"{exp_id}: running {', '.join(todo) or 'nothing (all done)'} on the {backend} backend.",
                       highlight=False)
     # Local steps train in this process and show each one's progress bar; Ray workers train quietly.
-    outcomes = run_experiment(book, exp_id, root, spec, backend, progress=training_progress)
+    if publish is not None:
+        from moelab.train.publish import Publisher
+
+        Publisher(root, publish, publish_every).check()  # unreachable or refused: exit 2 before anything runs
+    outcomes = run_experiment(book, exp_id, root, spec, backend, progress=training_progress,
+                              publish=None if publish is None else (publish, publish_every))
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))
+    if publish is not None and all(o.status == SUCCESS for o in outcomes):
+        _publish_report(book, exp_id, publish)
     show_outcomes(exp_id, outcomes, table=not json_out)
+
+
+def _publish_report(book, exp_id: str, destination: str) -> None:
+    """The finished experiment's report (HTML, Markdown, plots) and the whole ledger's export, its last record
+    the run's `finished`, to DESTINATION/report/."""
+    from moelab.data.remote import join, publish
+    from moelab.lab.ledger import export_jsonl
+    from moelab.lab.report import write_report
+
+    html = write_report(book, exp_id)
+    export_jsonl(book, html.parent / "ledger.jsonl")
+    for path in sorted(html.parent.iterdir()):
+        if path.is_file():
+            publish(path, join(destination, "report", path.name))
 
 
 def show_outcomes(exp_id: str, outcomes: list, table: bool = True) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Mapping
 from moelab.config import RunConfig, from_dict, load_yaml, to_dict
 from moelab.data.store import store_hashes
 from moelab.lab.dag import PlannedStep, Step, StepContext, StepOutcome, execute, plan, versioned
-from moelab.lab.ledger import Ledger, append, check_chain
+from moelab.lab.ledger import Ledger, append, check_chain, export_jsonl, open_ledger
 from moelab.lab.registry import Spec, check_unchanged, git_state, load_experiment, resolve_run_config
 from moelab.ladder.rungs import recipe_from_data
 from moelab.train.outputs import CONFIG, Sink
@@ -30,7 +30,7 @@ from moelab.train.outputs import CONFIG, Sink
 if TYPE_CHECKING:
     from moelab.train.loop import Hooks
 
-__all__ = ["Progress", "run_training", "training_step", "fit_ladder", "ladder_steps", "experiment_steps",
+__all__ = ["Progress", "LEDGER_EXPORT", "publisher", "run_training", "training_step", "fit_ladder", "ladder_steps", "experiment_steps",
            "plan_experiment", "run_experiment"]
 
 Progress = Callable[[RunConfig], ContextManager["Hooks | None"]]
@@ -46,6 +46,9 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
     sinks: list[Sink] = []
     if ctx.config.get("ledger"):  # a registered experiment's run: metrics, mixture, samples on its ledger
         sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
+    if ctx.config.get("publish"):  # the run's files and the ledger's export, to a bucket on a cadence
+        sinks.append(publisher(ctx.config["ledger"], ctx.output_dir, ctx.config["publish"],
+                               ctx.config["publish_every"]))
         if tracking.wandb_available():
             sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
     watchers: list[Watcher] = []
@@ -57,6 +60,18 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
         watchers.append(load_on_track(predicted))
     with progress(cfg) if progress is not None else contextlib.nullcontext() as hooks:
         return train(cfg, ctx.output_dir, hooks, sinks=sinks, watchers=watchers)
+
+
+LEDGER_EXPORT = "ledger.jsonl"
+
+
+def publisher(ledger_path: str | Path, out: Path, destination: str, every_s: float) -> Sink:
+    """A Publisher of a lab run's files plus the ledger exported beside them (refreshed before each upload)."""
+    from moelab.train.publish import Publisher
+
+    export = out / LEDGER_EXPORT
+    return Publisher(out, destination, every_s, extra=[export],
+                     before=lambda: export_jsonl(open_ledger(ledger_path), export))
 
 
 def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
@@ -125,7 +140,8 @@ def _record_run_event(ledger: Ledger, exp_id: str, provenance: dict, event: dict
 
 
 def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Path | None = None,
-                   backend: str = "local", progress: Progress | None = None) -> list[StepOutcome]:
+                   backend: str = "local", progress: Progress | None = None,
+                   publish: tuple[str, float] | None = None) -> list[StepOutcome]:
     """Execute a registered experiment's DAG under ROOT/<id>, each step's events on the ledger.
 
     On the local backend each training step runs under `progress(cfg)` (e.g. the CLI's progress
@@ -139,6 +155,8 @@ def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str
     # Neither is part of a version: where a training step publishes its metrics and how it shows its
     # progress change no output directory. A progress bar lives in this process: Ray gets none.
     tracked = {"ledger": str(Path(ledger.path).absolute()), "experiment": exp_id}
+    if publish is not None:  # (URL, seconds): where and how often training steps publish their files
+        tracked |= {"publish": publish[0], "publish_every": publish[1]}
     train = run_training
     if progress is not None and backend == "local":
         train = functools.partial(run_training, progress=progress)

@@ -29,11 +29,13 @@ views (`experiments`, `runs`, `metrics`, ...) make the file easy to query with t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
 import math
 import numbers
+import os
 import re
 import sqlite3
 from dataclasses import dataclass, replace
@@ -44,7 +46,7 @@ from moelab.errors import ConfigError
 
 __all__ = ["KINDS", "GENESIS_HASH", "MIN_HASH_PREFIX", "Ledger", "Record", "ChainCheck", "DuplicateRecord",
            "ChainBroken", "canonical_json", "record_hash", "open_ledger", "append", "records", "verify", "check_chain",
-           "find_record"]
+           "find_record", "export_jsonl"]
 
 FORMAT = "moelab-ledger"
 FORMAT_VERSION = 1
@@ -401,6 +403,19 @@ def check_chain(ledger: Ledger) -> ChainCheck:
         raise _chain_broken(ledger, check)
     ledger.checked = (check.num_records, check.head_hash) if check.num_records else None
     return check
+
+
+def export_jsonl(ledger: Ledger, path: str | Path) -> Path:
+    """Write every record, in order, one JSON object a line (seq, kind, key, created_at, body, prev_hash, hash):
+    a copy anyone can check with the chain rule (`record_hash`) without SQLite. Written to a temporary name
+    and renamed, so the file is whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        for record in records(ledger):
+            f.write(canonical_json(dataclasses.asdict(record)) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def find_record(ledger: Ledger, hash_prefix: str, up_to: int | None = None) -> Record | None:

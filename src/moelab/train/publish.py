@@ -38,11 +38,13 @@ class Publisher:
     """A `moelab.train.outputs.Sink` that copies the run's files to `destination` every `every_s` seconds."""
 
     def __init__(self, out: str | Path, destination: str, every_s: float = DEFAULT_EVERY_S,
-                 extra: Sequence[Path] = (), clock: Callable[[], float] = time.monotonic):
+                 extra: Sequence[Path] = (), before: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if not every_s >= 0:
             raise DataError(f"--publish-every={every_s} is invalid: must be a number of seconds >= 0 (default "
                             f"{DEFAULT_EVERY_S:.0f}, hourly; 0 publishes at every record).")
         self.out, self.destination, self.every_s, self.extra, self._clock = Path(out), destination, every_s, extra, clock
+        self._before = before  # e.g. refresh a ledger export among `extra`
         self._last: float | None = None
         self.uploads = 0
 
@@ -55,6 +57,8 @@ class Publisher:
 
     def publish(self) -> None:
         """Copy every published file that exists now."""
+        if self._before is not None:
+            self._before()
         files = [self.out / name for name in PUBLISHED] + list(self.extra)
         for path in files:
             if path.is_file():
