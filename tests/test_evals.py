@@ -62,3 +62,49 @@ def test_eval_command_scores_each_data_file_as_a_domain(trained_tiny_run, tmp_pa
 def test_eval_bad_input_exits_2(args, expected, trained_tiny_run, monkeypatch, capsys):
     code, out, err = run_cli(["eval", str(trained_tiny_run), *args], monkeypatch, capsys)
     assert code == 2 and out == "" and expected in err and "Traceback" not in err
+
+
+def _mc_task(folder):
+    """An offline multiple-choice lm-eval task: a YAML and its local JSONL (sums, the right answer among four)."""
+    rows = [{"question": f"{a} + {b} =", "choices": [f" {a + b + d}" for d in (0, 1, 10, -1)], "answer": 0}
+            for a, b in [(12, 30), (41, 7), (25, 25), (63, 19)]]
+    (folder / "sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "sums.yaml").write_text(
+        "task: moelab_sums_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'sums.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+
+
+def test_the_harness_adapters_loglikelihood_is_moelabs_own_loss(trained):
+    from moelab.evals.harness import make_lm
+
+    class Request:  # what lm-eval hands an LM: its arguments in `args`
+        def __init__(self, *args):
+            self.args = args
+
+    seq_len, model = trained.cfg.model.seq_len, trained.cfg.model
+    text = "".join(chr(ord("a") + (i * 5) % 26) for i in range(seq_len))
+    lm = make_lm(trained, batch_size=2)
+    (whole, _), (split, _) = lm.loglikelihood([Request("", text), Request(text[:50], text[50:])])
+    tokens = jnp.asarray(eval_loss.token_stream(trained.tokenizer, [text])[None])
+    dropless = make_dispatch(dataclasses.replace(model.moe, dispatch="dropless"))
+    _, aux = transformer.loss(trained.params, tokens, model, trained.router_bias, dispatch=dropless)
+    assert whole == pytest.approx(-seq_len * float(aux["ce"]), rel=1e-5)
+    assert -split < -whole and -split > 0  # the continuation's part of the same sum
+    [rolling] = lm.loglikelihood_rolling([Request(text)])
+    assert rolling == pytest.approx(whole, rel=1e-6)
+
+
+def test_eval_tasks_runs_a_local_multiple_choice_task_and_names_an_unknown_one(trained_tiny_run, tmp_path,
+                                                                                  monkeypatch, capsys):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # nothing from the hub: the task is the local YAML + JSONL
+    _mc_task(tmp_path)
+    code, out, err = run_cli(["eval", str(trained_tiny_run), "--tasks", "moelab_sums_mc", "--include-path",
+                              str(tmp_path), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    result = json.loads(out)["tasks"]["moelab_sums_mc"]
+    assert result["sample_len"] == 4 and 0.0 <= result["acc,none"] <= 1.0
+    code, out, err = run_cli(["eval", str(trained_tiny_run), "--tasks", "no_such_task", "--include-path",
+                              str(tmp_path)], monkeypatch, capsys)
+    assert code == 2 and out == "" and "no_such_task is not an lm-eval task" in err

@@ -2,6 +2,7 @@
 
     moelab eval runs/tiny --data my-data.yaml             # a data section's domains (files, globs, hf:...)
     moelab eval runs/tiny --data notes.txt --data web.jsonl.gz --json     # files, one domain each
+    moelab eval runs/tiny --tasks my_mc --include-path tasks/             # lm-evaluation-harness tasks
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def evaluate(
                        "repeatable.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="Score at most this many tokens per domain.")] = None,
     batch_size: Annotated[int, typer.Option(help="Windows of seq_len tokens per forward.")] = 8,
+    tasks: Annotated[Optional[str], typer.Option(
+        help="lm-evaluation-harness tasks, comma-separated (installed ones, or YAML tasks under --include-path).")] = None,
+    include_path: Annotated[Optional[Path], typer.Option(help="A folder of lm-eval task YAML files.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="With --tasks: at most this many examples per task.")] = None,
     tokenizer: TokenizerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -53,9 +58,15 @@ def evaluate(
     as in training); bits per byte divides the summed loss by the text's UTF-8 bytes, so it compares across
     tokenizers.
     """
-    if not data:
-        raise ConfigError("give --data: a data YAML or a text / JSONL / Parquet file, e.g. "
+    if not data and not tasks:
+        raise ConfigError("give --data (a data YAML or a text / JSONL / Parquet file) or --tasks, e.g. "
                           "`moelab eval runs/tiny --data notes.txt`.")
+    if include_path is not None and not include_path.is_dir():
+        raise ConfigError(f"--include-path {include_path} is not a folder; give the folder of your task YAML files.")
+    if tasks:
+        _run_tasks(run, tasks, include_path, limit, batch_size, tokenizer, json_out)
+        if not data:
+            return
     if batch_size < 1 or (max_tokens is not None and max_tokens < 1):
         raise ConfigError("--batch-size and --max-tokens must be >= 1.")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -85,4 +96,23 @@ def evaluate(
     for domain, s in scores.items():
         table.add_row(domain, f"{s.loss:.4f}", f"{s.perplexity:.3f}", f"{s.bits_per_byte:.4f}", f"{s.tokens:,}",
                       f"{s.bytes:,}", f"{s.documents:,}")
+    out_console.print(table)
+
+
+def _run_tasks(run: Path, tasks: str, include_path: Path | None, limit: int | None, batch_size: int,
+               tokenizer: Path | None, json_out: bool) -> None:
+    from moelab.evals.harness import run_tasks
+    from moelab.train.weights import load_run
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    results = run_tasks(load_run(run, tokenizer), names, include_path=str(include_path) if include_path else None,
+                        limit=limit, batch_size=batch_size)
+    if json_out:
+        print(json.dumps({"run": str(run), "tasks": results}, default=str))
+        return
+    table = Table("task", "metric", "value", title=f"{run}: lm-eval")
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            if isinstance(value, float) and "stderr" not in key:
+                table.add_row(task, key.split(",")[0], f"{value:.4f}")
     out_console.print(table)
