@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from helpers import run_cli
 
 from moelab import presets
 from moelab.config import override
@@ -163,3 +164,32 @@ def test_a_resume_publishes_no_second_initial_change():
 def test_change_message_lists_only_changed_domains():
     msg = change_message(("a", {"x": 0.5, "y": 0.5}), ("b", {"x": 0.5, "y": 0.25, "z": 0.25}), 240, 300)
     assert msg == "phase a -> b at step 240 (80% of 300 steps): y 0.50 -> 0.25, z 0.00 -> 0.25"
+
+
+def test_moelab_train_wandb_names_the_run_keeps_readme_metric_names_and_a_resume_continues_it(
+        tmp_path, monkeypatch, capsys):
+    """`moelab train --wandb --name`: offline under OUT/wandb, the run named as asked, router_bias/max_abs
+    under its README name (not train/router_bias/...), and a resumed run logs into the same W&B run (one
+    id, kept in OUT/wandb/moelab_run_id)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
+            "--checkpoint-every", "2", "--wandb", "--name", "exp-wandb", "--out", str(out)]
+    code, _, err = run_cli(args + ["--steps", "2"], monkeypatch, capsys)
+    assert code == 0, err
+    run_id = (out / "wandb" / "moelab_run_id").read_text().strip()
+    code, _, err = run_cli(args + ["--steps", "4"], monkeypatch, capsys)  # resumes from step 2
+    assert code == 0, err
+    assert (out / "wandb" / "moelab_run_id").read_text().strip() == run_id
+    run_dirs = list((out / "wandb").glob("offline-run-*"))
+    assert run_dirs and all(d.name.endswith(run_id) for d in run_dirs)
+    logged = b"".join(f.read_bytes() for d in run_dirs for f in d.glob("run-*.wandb"))
+    assert b"exp-wandb" in logged and b"router_bias/max_abs" in logged
+    assert b"train/router_bias" not in logged and b"train/loss" in logged
+
+
+def test_moelab_train_name_without_wandb_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    code, _, err = run_cli(["train", "--preset", "tiny", "--name", "x", "--out", str(tmp_path / "r")],
+                           monkeypatch, capsys)
+    assert code == 2 and "--name names the W&B run; add --wandb" in err

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from moelab import accounting, presets
 from moelab.cli.common import ConfigArg, DataOpt, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
-from moelab.config import RunConfig, load_yaml, parse_overrides
+from moelab.config import RunConfig, load_yaml, parse_overrides, to_dict
 from moelab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,6 +89,10 @@ def train(
         help="Copy the mixture log, metrics, incidents, config and summary to this URL (s3://, gs://) or folder "
              "as training goes, each file a complete object.")] = None,
     publish_every: Annotated[float, typer.Option(help="Seconds between publications (with --publish).")] = 3600.0,
+    wandb: Annotated[bool, typer.Option(
+        "--wandb", help="Log to Weights & Biases under OUT/wandb: offline unless WANDB_MODE or WANDB_API_KEY says "
+                        "online; a resumed run continues its W&B run.")] = False,
+    name: Annotated[Optional[str], typer.Option(help="The W&B run's name (default: the config's name).")] = None,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
 
@@ -116,9 +120,22 @@ def train(
         publisher = Publisher(out, publish, publish_every)
         publisher.check()  # an unreachable URL or missing credentials: exit 2 before anything trains
         sinks.append(publisher)
+    if wandb:
+        sinks.append(_wandb_sink(cfg, out, name))
+    elif name is not None:
+        raise ConfigError("--name names the W&B run; add --wandb to log to W&B.")
     summary = run_training(cfg, out, watchers, sinks)
     if is_writer():  # every host returns the same summary; one prints it
         print(json.dumps(summary))
+
+
+def _wandb_sink(cfg: RunConfig, out: Path, name: str | None):
+    """The W&B sink of `moelab train --wandb` (`lab.tracking.WandbSink`), named after the run."""
+    from moelab.lab import tracking  # W&B's import is slow: only when a run asks for it
+
+    if not tracking.wandb_available():
+        raise ConfigError("--wandb needs the wandb package: pip install 'moelab[wandb]' (or drop --wandb).")
+    return tracking.WandbSink(out, to_dict(cfg), name or cfg.name)
 
 
 def _mesh_fields(spec: str | None, sets: list[str] | None) -> dict:

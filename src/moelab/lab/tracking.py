@@ -134,9 +134,10 @@ def wandb_available() -> bool:
     return importlib.util.find_spec("wandb") is not None
 
 
-# metrics.jsonl keys -> W&B names; router/*, norm/*, eval/* keep theirs, other scalars go under train/.
+# metrics.jsonl keys -> W&B names; router/*, router_bias/*, norm/*, eval/*, forecast/* keep theirs (the
+# README's names), other scalars go under train/.
 _WANDB_NAMES = {"tokens": "throughput/tokens", "tokens_per_s": "throughput/tokens_per_s"}
-_WANDB_KEPT_PREFIXES = ("router/", "norm/", "eval/")
+_WANDB_KEPT_PREFIXES = ("router/", "router_bias/", "norm/", "eval/", "forecast/")
 
 
 def _wandb_name(key: str) -> str:
@@ -154,7 +155,8 @@ class WandbSink(_WriterOnly):
 
     Offline (`mode="offline"`, synced later with `wandb sync OUT/wandb/offline-run-*`) unless WANDB_MODE
     is set (W&B's own setting wins) or WANDB_API_KEY is, which means online. Scalars are logged at the
-    record's step as `train/loss`, `train/lr`, `throughput/tokens_per_s`, `router/*`, `norm/*`, `eval/*`;
+    record's step as `train/loss`, `train/lr`, `throughput/tokens_per_s`, `router/*`, `router_bias/*`, `norm/*`,
+    `eval/*`, `forecast/*`;
     incidents as `incidents/count` plus `incidents/<rule>`; the mixture as `mixture/weight/<domain>`
     and `mixture/tokens/<domain>`; samples as the table `samples` (all rows so far, re-logged at each eval
     because a logged W&B table cannot grow). The run's id is kept in `OUT/wandb/moelab_run_id`, so a
