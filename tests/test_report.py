@@ -311,3 +311,31 @@ def test_report_plots_the_live_forecast_and_states_the_self_check(lab, tmp_path,
     assert loss.count("<img") == 2 and "forecast/final" in loss
     assert "refitted without ladder-d80-l3, the law predicted its final loss -5.20% off" in loss
     assert "FAILED: the prediction is not to be trusted" in loss
+
+
+def test_plots_are_legible_the_loss_range_follows_the_curves_and_step_0_is_plotted(lab, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """Every plot is at least 900 px wide; a band much wider than the curves does not set the y-range; the
+    per-domain series start at step 0 (eval_initial) like the table; long cells and commands wrap."""
+    import base64
+    import struct
+
+    from moelab.lab.report import _with_initial, curve_ylim
+
+    ledger, _, _ = lab
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path)],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    page = (tmp_path / "report.html").read_text()
+    pngs = [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
+    assert pngs
+    for png in pngs:
+        width = struct.unpack(">I", png[16:20])[0]  # the IHDR chunk's width
+        if width < 600:  # the router heatmap is sized by its experts; the line plots are not
+            continue
+        assert width >= 900, width
+    assert sum(struct.unpack(">I", p[16:20])[0] >= 900 for p in pngs) >= 3
+    assert "white-space:pre-wrap" in page and "overflow-wrap:anywhere" in page
+    lo, hi = curve_ylim({"eval/mean": ([10, 20], [2.0, 1.8])})
+    assert 1.7 < lo < 1.8 and 2.0 < hi < 2.1  # a 0-7 band would not widen it
+    assert _with_initial([{"step": 10, "eval/code": 2.0}], {"code": 5.5}, "eval/code") == ([0, 10], [5.5, 2.0])

@@ -135,28 +135,56 @@ def _read_router_load(out: Path) -> tuple[int | None, np.ndarray | None]:
 # plots
 
 
+# Plots render about 1,000 px wide (10 in at 110 dpi, less the trimmed margins): legible at a normal page
+# width, legends at 9 pt.
+_FIGSIZE, _DPI, _LEGEND_PT = (10, 4.4), 110, 9
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=_DPI, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
 
 def _line_plot(series: dict[str, tuple[list, list]], title: str, ylabel: str, band: dict | None = None,
                log_y: bool = False) -> bytes:
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    """Lines over steps, with a predicted band behind them; the y-range is the lines' (a wide band is clipped,
+    so it never flattens the curves it surrounds)."""
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
     if band:
         ax.fill_between(band["step"], band["lo95"], band["hi95"], alpha=0.15, color="C2", label="predicted 95%")
         ax.fill_between(band["step"], band["lo80"], band["hi80"], alpha=0.25, color="C2", label="predicted 80%")
         ax.plot(band["step"], band["loss_pred"], "--", color="C2", label="predicted")
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
+    limits = curve_ylim(series)
     if log_y:
         ax.set_yscale("log")
+    elif band and limits:
+        ax.set_ylim(*limits)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=_LEGEND_PT, ncol=2)
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+def curve_ylim(series: dict[str, tuple[list, list]]) -> tuple[float, float] | None:
+    """The y-range of the lines alone, 5% padded; None without a finite value."""
+    values = np.array([v for _, ys in series.values() for v in ys], dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return None
+    pad = 0.05 * max(float(values.max() - values.min()), 1e-3)
+    return float(values.min()) - pad, float(values.max()) + pad
+
+
+def _with_initial(metrics: list[dict], initial: dict, key: str) -> tuple[list, list]:
+    """The eval series of `key` with step 0 from the summary's eval_initial when the records lack it."""
+    steps, values = _series(metrics, key)
+    if 0 not in steps and isinstance(initial.get(key[5:]), (int, float)):
+        steps, values = [0, *steps], [float(initial[key[5:]]), *values]
+    return steps, values
 
 
 def router_load_heatmap(load: np.ndarray, step: int | None = None) -> bytes:
@@ -182,10 +210,10 @@ def _mixture_plot(snapshots: list[dict]) -> bytes:
     shares = drawn / np.maximum(drawn.sum(axis=1, keepdims=True), 1e-12)
     if steps[0] > 0:  # each share holds from the previous snapshot (or step 0) to its own step
         steps, shares = [0, *steps], np.vstack([shares[:1], shares])
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
     ax.stackplot(steps, shares.T, labels=domains, alpha=0.85, step="pre")
     ax.set(title="data mixture (share of tokens drawn)", xlabel="step", ylabel="share", ylim=(0, 1))
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=_LEGEND_PT, loc="upper right")
     return _png(fig)
 
 
@@ -252,13 +280,13 @@ def _forecast_plot(metrics: list[dict], band: dict) -> bytes:
     steps, final = _series(metrics, "forecast/final")
     _, lo = _series(metrics, "forecast/lo95")
     _, hi = _series(metrics, "forecast/hi95")
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=_FIGSIZE)
     ax.axhspan(band["lo95"][-1], band["hi95"][-1], alpha=0.15, color="C2", label="pre-registered final 95%")
     ax.axhline(band["loss_pred"][-1], ls="--", color="C2", label="pre-registered final")
     ax.fill_between(steps, lo, hi, alpha=0.25, color="C0", label="forecast 95%")
     ax.plot(steps, final, marker="o", markersize=3, color="C0", label="forecast/final")
     ax.set(title="forecast of the final loss", xlabel="step", ylabel="final loss (nats / token)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=_LEGEND_PT, ncol=2)
     ax.grid(alpha=0.3)
     return _png(fig)
 
@@ -308,8 +336,8 @@ def _per_domain(metrics: list[dict], summary: dict) -> Section:
         value, step = _final_value(metrics, summary, key)
         rows.append([key, initial.get(key[5:]), value, step])
     sec.table(["metric", "initial", "final", "at step"], rows)
-    sec.img("per_domain_eval", _line_plot({k: _series(metrics, k) for k in keys}, "eval loss per domain",
-                                          "loss (nats / token)"))
+    series = {key: _with_initial(metrics, initial, key) for key in keys}  # step 0 as the table has it
+    sec.img("per_domain_eval", _line_plot(series, "eval loss per domain", "loss (nats / token)"))
     return sec
 
 
@@ -482,8 +510,9 @@ def build_sections(ledger: Ledger, exp_id: str) -> tuple[Experiment, Path, list[
 # rendering
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
-table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;padding:.25rem .5rem;text-align:left;
-vertical-align:top}pre{background:#f5f5f5;padding:.5rem;overflow-x:auto}.note{color:#666;font-style:italic}
+table{border-collapse:collapse;margin:.5rem 0;max-width:100%}td,th{border:1px solid #ccc;padding:.25rem .5rem;
+text-align:left;vertical-align:top;overflow-wrap:anywhere}pre{background:#f5f5f5;padding:.5rem;white-space:pre-wrap;
+overflow-wrap:anywhere}.note{color:#666;font-style:italic}
 img{max-width:100%}section{border-top:1px solid #ddd;margin-top:1.5rem}"""
 
 
