@@ -5,11 +5,14 @@ skip (same step version), so the second report reads the same run with a refutin
 """
 
 import contextlib
+import html
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,7 +164,8 @@ def test_report_sections_and_confirmed_verdict(lab, tmp_path, monkeypatch, capsy
 def test_the_report_names_the_ledger_head_and_record_count_that_verify_head_checks_later(lab, tmp_path, monkeypatch,
                                                                                         capsys):
     """A reader who kept the report can tell when the ledger was cut short, which the chain alone cannot."""
-    ledger, _, _ = lab
+    ledger, _, root = lab
+    run_dir = next((root / "rep-tiny").glob("train-*"))
     chain = verify(open_ledger(ledger))
     code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
                            monkeypatch, capsys)
@@ -170,8 +174,13 @@ def test_the_report_names_the_ledger_head_and_record_count_that_verify_head_chec
     md = (tmp_path / "r" / "report.md").read_text()
     for text in (chain.head_hash, f"{chain.num_records} (chain intact)"):
         assert text in repro and text in md, text
+    # Paths are relative (to the report's folder in the table, to the run's directory in the commands), so
+    # a copied report tree still points at its run; the commands work from the run's directory.
+    assert str(tmp_path) not in repro and str(root) not in repro
+    assert f"# from the run&#x27;s own directory ({os.path.relpath(run_dir, tmp_path / 'r')}):" in repro
     [command] = [line for line in md.splitlines() if line.startswith("moelab lab verify")]
-    assert command == f"moelab lab verify --ledger {ledger} --head {chain.head_hash}"
+    assert command == f"moelab lab verify --ledger {os.path.relpath(ledger, run_dir)} --head {chain.head_hash}"
+    monkeypatch.chdir(run_dir)
     code, out, err = run_cli(command.split()[1:], monkeypatch, capsys)
     assert code == 0 and f"is record {chain.num_records}: 0 records came after it" in out, err
 
@@ -269,23 +278,53 @@ def test_the_report_of_a_run_still_preempted_exits_2_saying_how_to_resume_it(lab
     assert code == 2 and "preempted at step 4" in err and "resume it with `moelab lab run rep-tiny`" in err
 
 
-def test_html_loads_in_headless_chromium(lab, tmp_path, monkeypatch, capsys):
+def _report_and_chromium(lab, tmp_path, monkeypatch, capsys):
+    """(chromium's path, the report's HTML path) for the module's run."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "chromium is not installed; .ci/run installs it (apt-get install -y chromium)"
     ledger, _, _ = lab
     code, stdout, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
                                 monkeypatch, capsys)
     assert code == 0, err
-    done = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-         "--enable-logging=stderr", "--v=0", "--dump-dom", f"file://{stdout.strip()}"],
-        capture_output=True, text=True, timeout=60, check=False)
+    return chromium, Path(stdout.strip())
+
+
+def test_html_loads_in_headless_chromium(lab, tmp_path, monkeypatch, capsys):
+    chromium, report = _report_and_chromium(lab, tmp_path, monkeypatch, capsys)
+    done = _chromium(chromium, tmp_path, "--dump-dom", f"file://{report}")
     assert done.returncode == 0, done.stderr[-2000:]
     for sid in SECTION_IDS:
         assert f'<section id="{sid}">' in done.stdout, sid
     console = [line for line in done.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
+
+
+def _chromium(chromium, tmp_path, *args):
+    return subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+         "--enable-logging=stderr", "--v=0", *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_report_fits_a_1024_px_window_in_headless_chromium(lab, tmp_path, monkeypatch, capsys):
+    """Laid out by Chromium at 1024 px: the page does not scroll sideways and no plot, table or command
+    reaches past the window (measured on the DOM by a script added to a copy of the page); a screenshot
+    of the same window is taken beside it for a reader."""
+    chromium, report = _report_and_chromium(lab, tmp_path, monkeypatch, capsys)
+    probe = ("<script>const over = [...document.querySelectorAll('img,table,pre')].filter("
+             "e => e.getBoundingClientRect().right > window.innerWidth + 1).length;"
+             "document.body.setAttribute('data-fit', JSON.stringify({page: document.documentElement.scrollWidth, "
+             "view: window.innerWidth, over: over, imgs: document.images.length}));</script></body>")
+    page = tmp_path / "r" / "probe.html"
+    page.write_text(report.read_text().replace("</body>", probe))
+    done = _chromium(chromium, tmp_path, "--window-size=1024,768", "--virtual-time-budget=2000", "--dump-dom",
+                     f"file://{page}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    fit = json.loads(html.unescape(re.search(r"data-fit=\"([^\"]+)\"", done.stdout).group(1)))
+    assert fit["imgs"] >= 3 and fit["over"] == 0 and fit["page"] <= fit["view"], fit
+    shot = tmp_path / "report.png"
+    done = _chromium(chromium, tmp_path, "--window-size=1024,2000", f"--screenshot={shot}", f"file://{report}")
+    assert done.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", done.stderr[-2000:]
 
 
 def test_report_plots_the_live_forecast_and_states_the_self_check(lab, tmp_path, monkeypatch, capsys):

@@ -22,6 +22,7 @@ import html
 import io
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -305,7 +306,12 @@ def _self_check_text(pred_path: Path) -> str | None:
             f"final loss {check['final_error']:+.2%} off (MAPE {check['mape_after_10pct']:.2%}), {verdict}.")
 
 
-def _loss_curve(metrics: list[dict], out: Path, run_body: dict) -> Section:
+def _relative(path: str | Path, start: Path | None) -> str:
+    """`path` as seen from `start` (the report's folder): a copied report tree keeps pointing at its run."""
+    return str(path) if start is None else os.path.relpath(Path(path).resolve(), Path(start).resolve())
+
+
+def _loss_curve(metrics: list[dict], out: Path, run_body: dict, report_dir: Path | None = None) -> Section:
     sec = Section("loss-curve", "Loss curve")
     pred_path, band = _read_prediction(out, run_body)
     series = {"train loss": _series(metrics, "loss"), "eval/mean": _series(metrics, "eval/mean")}
@@ -313,7 +319,7 @@ def _loss_curve(metrics: list[dict], out: Path, run_body: dict) -> Section:
     if pred_path is None:
         sec.note("No predicted band: the run has no prediction.csv (from `moelab ladder`) beside it or on its record.")
         return sec
-    sec.p(f"Predicted band from {pred_path}.")
+    sec.p(f"Predicted band from {_relative(pred_path, report_dir)}.")
     check = _self_check_text(pred_path)
     if check:
         sec.p(check)
@@ -458,7 +464,10 @@ def _sha256_file(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: Ledger) -> Section:
+def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: Ledger,
+                     report_dir: Path | None = None) -> Section:
+    """Versions and hashes, and the commands that rerun and check the run, written from the run's own
+    directory (paths relative to it; the table's relative to the report's folder)."""
     sec = Section("reproducibility", "Reproducibility")
     chain = verify(ledger)  # the head a reader keeps: the chain cannot show rows cut off its end by itself
     commit = run_body.get("git_commit") or "none (not in a git repository)"
@@ -472,17 +481,19 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
         ["spec sha256", run_body.get("spec_hash") or experiment.spec_hash],
         ["step version (config hash)", run_body.get("version")],
         [f"{CONFIG} sha256", _sha256_file(out / CONFIG)],
-        ["output directory", str(out)],
+        ["output directory", _relative(out, report_dir)],
         ["preempted, then resumed from the checkpoint at", ", ".join(stops) or "never (one uninterrupted run)"],
-        ["ledger", str(ledger.path)],
+        ["ledger", _relative(ledger.path, report_dir)],
         ["ledger records when this report was written", f"{chain.num_records} ({chain.status})"],
         ["ledger head sha256", chain.head_hash],
     ])
-    sec.pre(f"moelab lab run {experiment.id} --ledger {ledger.path}\n"
+    book, root = _relative(ledger.path, out), _relative(out.parent.parent, out)
+    sec.pre(f"# from the run's own directory ({_relative(out, report_dir)}):\n"
+            f"moelab lab run {experiment.id} --ledger {book} --root {root}\n"
             f"# the training step it runs, with the resolved config:\n"
-            f"moelab train {out / CONFIG} --out {out}\n"
+            f"moelab train {CONFIG} --out .\n"
             f"# the ledger still holds every record this report read (fails if rows were cut off or rewritten):\n"
-            f"moelab lab verify --ledger {ledger.path} --head {chain.head_hash}")
+            f"moelab lab verify --ledger {book} --head {chain.head_hash}")
     return sec
 
 
@@ -494,14 +505,16 @@ def experiment_verdict(ledger: Ledger, exp_id: str) -> tuple[str, float | None]:
     return verdict(experiment.spec.prediction, value), value
 
 
-def build_sections(ledger: Ledger, exp_id: str) -> tuple[Experiment, Path, list[Section]]:
-    """The experiment, its run directory and the report's sections, in `SECTION_IDS` order."""
+def build_sections(ledger: Ledger, exp_id: str,
+                   report_dir: Path | None = None) -> tuple[Experiment, Path, list[Section]]:
+    """The experiment, its run directory and the report's sections, in `SECTION_IDS` order; paths in the text
+    are relative to `report_dir` when given."""
     experiment = load_experiment(ledger, exp_id)
     out, run_body = find_run_dir(experiment)
     metrics, summary = read_jsonl(out / METRICS), read_summary(out)
-    sections = [_hypothesis(experiment, metrics, summary), _loss_curve(metrics, out, run_body),
+    sections = [_hypothesis(experiment, metrics, summary), _loss_curve(metrics, out, run_body, report_dir),
                 _per_domain(metrics, summary), _mixture(out), _router(metrics, out), _norms_incidents(metrics, out),
-                _amendments(experiment), _samples(out), _reproducibility(experiment, out, run_body, ledger)]
+                _amendments(experiment), _samples(out), _reproducibility(experiment, out, run_body, ledger, report_dir)]
     assert tuple(s.id for s in sections) == SECTION_IDS
     return experiment, out, sections
 
@@ -573,8 +586,9 @@ def write_report(ledger: Ledger, exp_id: str, out_dir: str | Path | None = None)
     `out_dir` defaults to the run's output directory / "report". ConfigError for an unknown id or an
     experiment without a finished run.
     """
-    experiment, run_dir, sections = build_sections(ledger, exp_id)
+    run_dir, _ = find_run_dir(load_experiment(ledger, exp_id))
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    experiment, run_dir, sections = build_sections(ledger, exp_id, report_dir=out)
     out.mkdir(parents=True, exist_ok=True)
     title = f"[{experiment.id}] {experiment.spec.title}"
     for s in sections:
