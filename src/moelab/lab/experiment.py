@@ -55,8 +55,10 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
         from moelab.ladder.predict import load_on_track
 
-        predicted = ctx.output_dir / "prediction.csv"
-        shutil.copyfile(ctx.deps[ctx.config["predicted_by"]] / "prediction.csv", predicted)
+        predicted, fitted = ctx.output_dir / "prediction.csv", ctx.deps[ctx.config["predicted_by"]]
+        shutil.copyfile(fitted / "prediction.csv", predicted)
+        if (fitted / "prediction.json").is_file():  # the sidecar: the fit's noise (the forecast) and self-check
+            shutil.copyfile(fitted / "prediction.json", ctx.output_dir / "prediction.json")
         watchers.append(load_on_track(predicted))
     with progress(cfg) if progress is not None else contextlib.nullcontext() as hooks:
         return train(cfg, ctx.output_dir, hooks, sinks=sinks, watchers=watchers)
