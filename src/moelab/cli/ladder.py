@@ -78,9 +78,8 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
-    from moelab.ladder.run import run_ladder
-
-    from moelab.ladder.run import plan_ladder
+    from moelab.ladder.predict import sidecar_path
+    from moelab.ladder.run import plan_ladder, run_ladder
 
     ladder = _recipe(recipe, None)
     rungs, target = plan_ladder(ladder)
@@ -90,7 +89,8 @@ def run(
         print(json.dumps(summary))
         return
     _print_fit(summary)
-    out_console.print(f"Prediction for the target in {out / 'prediction.csv'}; fit summary in {out / 'prediction.json'}.")
+    pred = out / "prediction.csv"
+    out_console.print(f"Prediction for the target in {pred}; fit summary in {sidecar_path(pred)}.")
     out_console.print(f"Train the target against it: moelab train {out / 'target.yaml'} --predicted "
                       f"{out / 'prediction.csv'} --out {out / 'target'}")
 

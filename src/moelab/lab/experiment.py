@@ -53,12 +53,12 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
             sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
     watchers: list[Watcher] = []
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
-        from moelab.ladder.predict import load_on_track
+        from moelab.ladder.predict import load_on_track, sidecar_path
 
-        predicted, fitted = ctx.output_dir / "prediction.csv", ctx.deps[ctx.config["predicted_by"]]
-        shutil.copyfile(fitted / "prediction.csv", predicted)
-        if (fitted / "prediction.json").is_file():  # the sidecar: the fit's noise (the forecast) and self-check
-            shutil.copyfile(fitted / "prediction.json", ctx.output_dir / "prediction.json")
+        predicted, fitted = ctx.output_dir / "prediction.csv", ctx.deps[ctx.config["predicted_by"]] / "prediction.csv"
+        shutil.copyfile(fitted, predicted)
+        if sidecar_path(fitted).is_file():  # the fit's noise (for the forecast) and its self-check
+            shutil.copyfile(sidecar_path(fitted), sidecar_path(predicted))
         watchers.append(load_on_track(predicted))
     with progress(cfg) if progress is not None else contextlib.nullcontext() as hooks:
         return train(cfg, ctx.output_dir, hooks, sinks=sinks, watchers=watchers)

@@ -37,6 +37,7 @@ import numpy as np
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import Experiment, Prediction, load_experiment
+from moelab.ladder.predict import sidecar_path
 from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
                                  read_summary)
 
@@ -294,9 +295,8 @@ def _forecast_plot(metrics: list[dict], band: dict) -> bytes:
 
 def _self_check_text(pred_path: Path) -> str | None:
     """The prediction's leave-largest-out self-check, from its sidecar JSON, as one sentence."""
-    sidecar = pred_path.with_suffix(".json")
     try:
-        check = json.loads(sidecar.read_text())["self_check"]
+        check = json.loads(sidecar_path(pred_path).read_text())["self_check"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if "skipped" in check:

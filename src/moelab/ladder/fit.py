@@ -433,8 +433,8 @@ def curve_losses(laws: Sequence[CurveLaw], run: Run) -> np.ndarray:
     S1 and the LR-drop profile are computed once for all laws: on a 10^6-step plan they cost more
     than evaluating a law.
     """
-    for law in laws[:1]:
-        _check_size(law, run)
+    if laws:
+        _check_size(laws[0], run)
     s1, drop, picks = effective_tokens(run), _drop_profile(run), run.steps.astype(np.int64)
     safe_s1 = np.where(s1 > 0, s1, 1.0)
     out = np.empty((len(laws), len(s1)))
