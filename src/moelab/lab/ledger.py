@@ -36,8 +36,10 @@ import json
 import math
 import numbers
 import os
+import random
 import re
 import sqlite3
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -197,9 +199,18 @@ def _not_a_ledger(path: Path, why: str) -> ConfigError:
 
 
 def _init_schema(conn: sqlite3.Connection) -> None:
-    conn.execute("PRAGMA journal_mode = WAL")  # persistent; lets readers run beside the one writer
+    """Create the tables (idempotent) and switch to WAL, safe while other processes do the same.
+
+    The tables go first, under BEGIN IMMEDIATE, whose lock wait honours the busy timeout. Switching
+    to WAL needs every other connection out of the file, and SQLite may answer "locked" at once
+    instead of waiting, so that step retries until the busy timeout runs out.
+    """
     conn.execute("BEGIN IMMEDIATE")
     try:
+        (num_tables,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'meta'").fetchone()
+        (others,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE name != 'meta'").fetchone()
+        if others and not num_tables:
+            raise sqlite3.DatabaseError("tables without a meta table")
         for statement in _SCHEMA:
             conn.execute(statement)
         conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?), ('version', ?)", (FORMAT, str(FORMAT_VERSION)))
@@ -207,6 +218,15 @@ def _init_schema(conn: sqlite3.Connection) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")  # persistent; lets readers run beside the one writer
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02 + 0.03 * random.random())
 
 
 def open_ledger(path: str | Path, create: bool = False) -> Ledger:
@@ -240,9 +260,14 @@ def open_ledger(path: str | Path, create: bool = False) -> Ledger:
             meta = None
         if not meta:
             (num_tables,) = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            if num_tables or not create:
+            if (num_tables and meta is None) or not create:  # tables but no meta: someone else's database
                 raise _not_a_ledger(path, "an SQLite database without moelab's meta table")
-            _init_schema(conn)
+            try:
+                _init_schema(conn)
+            except sqlite3.DatabaseError as err:
+                if "locked" in str(err):
+                    raise
+                raise _not_a_ledger(path, "an SQLite database without moelab's meta table") from err
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         if meta.get("format") != FORMAT:
             raise _not_a_ledger(path, f"its meta table says format={meta.get('format')!r}")
