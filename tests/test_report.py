@@ -378,3 +378,30 @@ def test_plots_are_legible_the_loss_range_follows_the_curves_and_step_0_is_plott
     lo, hi = curve_ylim({"eval/mean": ([10, 20], [2.0, 1.8])})
     assert 1.7 < lo < 1.8 and 2.0 < hi < 2.1  # a 0-7 band would not widen it
     assert _with_initial([{"step": 10, "eval/code": 2.0}], {"code": 5.5}, "eval/code") == ([0, 10], [5.5, 2.0])
+
+
+def test_lab_show_diff_names_what_two_experiments_differ_in(lab, tmp_path, monkeypatch, capsys):
+    """Spec text and the *resolved* config are compared (an override equal to the preset's default is no
+    difference), and the outcome of a run experiment is set against one that has not run."""
+    ledger = tmp_path / "ledger.sqlite"
+    shutil.copy(lab[0], ledger)  # the module's ledger stays as the other tests expect it
+    overrides = {k: v for k, v in SPEC["config"]["overrides"].items() if k != "train.seed"}  # 0 is tiny's default
+    other = {**SPEC, "id": "rep-tiny-lr", "hypothesis": "A lower LR does as well.",
+             "config": {"preset": "tiny", "overrides": {**overrides, "train.lr": 1e-3}}}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    assert run_cli(["lab", "register", str(tmp_path / "other.yaml"), "--ledger", str(ledger)], monkeypatch, capsys)[0] == 0
+    code, out, err = run_cli(["lab", "show", "rep-tiny", "--diff", "rep-tiny-lr",
+                                                   "--ledger", str(ledger), "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    diff = json.loads(out)
+    assert diff["spec"] == {"hypothesis": [SPEC["hypothesis"], other["hypothesis"]]}
+    assert diff["config"] == {"config.train.lr": [0.003, 0.001]}
+    assert diff["outcome"]["verdict"] == [CONFIRMED, "not run"] and not diff["identical"]
+    code, out, _ = run_cli(["lab", "show", "rep-tiny", "--diff", "rep-tiny-lr", "--ledger",
+                                                 str(ledger), "--markdown"], monkeypatch, capsys)
+    assert code == 0 and "| `config.train.lr` | 0.003 | 0.001 |" in out and "### outcome" in out
+    code, out, _ = run_cli(["lab", "show", "rep-tiny", "--diff", "rep-tiny", "--ledger",
+                                                 str(ledger), "--markdown"], monkeypatch, capsys)
+    assert code == 0 and "Same spec, same resolved config, same outcome." in out
+    code, _, err = run_cli(["lab", "show", "rep-tiny", "--diff", "nope", "--ledger", str(ledger)], monkeypatch, capsys)
+    assert code == 2 and "nope" in err

@@ -2,6 +2,7 @@
 
     moelab lab register experiments/demo-spec.yaml --markdown     # paste the Markdown into the issue
     moelab lab show demo-tiny
+    moelab lab show demo-tiny --diff demo-tiny-lr                 # what two experiments differ in
     moelab lab amend demo-tiny experiments/demo-spec.yaml --reason "600 steps: 300 ended mid-decay"
     moelab lab run demo-tiny --dry-run                            # what would run, resume, wait or skip
     moelab lab run demo-tiny --backend ray                        # RAY_ADDRESS joins a cluster
@@ -34,7 +35,7 @@ from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOp
                                print_problem)
 from moelab.cli.train import training_progress
 from moelab.errors import ConfigError
-from moelab.lab import registry
+from moelab.lab import compare, registry
 from moelab.lab.dag import BACKENDS, FAILED, PREEMPTED, SUCCESS
 from moelab.lab.experiment import plan_experiment, run_experiment
 from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open_ledger, verify as verify_chain
@@ -124,9 +125,15 @@ def amend(
 
 @lab_app.command()
 def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOpt = False,
-         json_out: JsonOpt = False) -> None:
+         json_out: JsonOpt = False,
+         diff: Annotated[Optional[str], typer.Option("--diff", show_default=False, help=(
+             "Another experiment's id: show only what the two differ in (spec, resolved config, outcome)."))] = None,
+         ) -> None:
     """Show an experiment as registered, with its amendments and runs, and the ledger's head hash."""
     book = open_ledger(ledger)
+    if diff is not None:
+        _show_diff(book, exp_id, diff, markdown, json_out)
+        return
     experiment = registry.load_experiment(book, exp_id)
     check = verify_chain(book)
     if json_out:
@@ -137,6 +144,16 @@ def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOp
         out_console.print(Markdown(registry.to_markdown(experiment, with_runs=True)))
         # Plain and unwrapped: the hash must survive a narrow terminal and a copy-paste whole.
         out_console.print(f"\n{_ledger_sentence(ledger, check)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) -> None:
+    result = compare.compare_experiments(book, exp_id, other)
+    if json_out:
+        print(json.dumps(compare.to_json(result)))
+    elif markdown:
+        print(compare.to_markdown(result), end="")
+    else:
+        out_console.print(Markdown(compare.to_markdown(result)))
 
 
 @lab_app.command()
