@@ -4,6 +4,7 @@ import csv
 import json
 import warnings
 
+import numpy as np
 import pytest
 
 from helpers import run_cli
@@ -12,7 +13,7 @@ from moelab import accounting, presets
 from moelab.config import load_yaml, override
 from moelab.errors import ConfigError
 from moelab.ladder.predict import load_on_track
-from moelab.ladder.rungs import LadderRecipe, preset_recipe, rungs_of
+from moelab.ladder.rungs import LadderRecipe, fit_lr_rule, preset_recipe, rungs_of
 from moelab.presets import make_rung, scale_model, tokens_per_active_param
 from moelab.ladder.run import target_rows, write_csv
 
@@ -160,6 +161,36 @@ def test_rungs_take_the_recipes_lr_rule():
     assert lrs == pytest.approx([3e-3 * 64 / 32, 3e-3])
     with pytest.raises(ConfigError, match=r"lr_exponent=-1 is invalid: must be a number in \[0, 2\]"):
         LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=-1)
+
+
+def test_ladder_plan_says_how_the_rungs_lrs_are_set(tmp_path, monkeypatch, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("target: {preset: tiny}\nrungs: [[32, 1], [48, 2]]\nrung_batch_size: 8\nlr_exponent: 0.75\n")
+    code, out, _ = run_cli(["ladder", "plan", str(recipe)], monkeypatch, capsys)
+    assert code == 0 and "lr(d) = 0.003 x (64 / d)^0.75 (lr_exponent 0.75)" in " ".join(out.split())
+    recipe.write_text("target: {preset: tiny}\nrungs: [[32, 1], [48, 2]]\n")
+    code, out, _ = run_cli(["ladder", "plan", str(recipe)], monkeypatch, capsys)
+    assert code == 0 and "Every rung trains at the target's LR 0.003 (lr_exponent 0" in " ".join(out.split())
+
+
+def test_fit_lr_rule_recovers_the_optimum_line_from_a_noisy_sweep():
+    """Bowls around lr*(d) = 0.1 * d^-0.7 at levels falling with width, 1e-3 noise, grids not centred on it."""
+    rng = np.random.default_rng(0)
+    d = np.repeat([32, 48, 64, 96], 4)
+    lr = np.tile([1e-3, 2e-3, 4e-3, 8e-3], 4) * np.repeat([1.5, 1.0, 1.0, 0.75], 4)
+    loss = 3 - 0.5 * np.log(d) + 0.08 * np.log(lr / (0.1 * d ** -0.7)) ** 2 + rng.normal(0, 1e-3, d.size)
+    rule = fit_lr_rule(d, lr, loss)
+    assert rule.k == pytest.approx(0.7, abs=0.05)  # 1e-3 noise on bowls 0.08 deep per e-fold moves k by ~0.02
+    assert rule.lr(96) == pytest.approx(0.1 * 96 ** -0.7, rel=0.05)
+    assert rule.curvature == pytest.approx(0.08, rel=0.1) and rule.rmse < 2e-3
+
+
+def test_fit_lr_rule_refuses_a_sweep_that_cannot_place_an_optimum():
+    with pytest.raises(ConfigError, match="at least 2 widths with 3 or more LRs"):
+        fit_lr_rule([32, 32, 64, 64, 64], [1e-3, 2e-3] + [1e-3, 2e-3, 4e-3], [2, 1.9, 1.8, 1.7, 1.6])
+    falling = [3 - 0.1 * np.log(x) for x in [1e-3, 2e-3, 4e-3]]  # lower at every larger LR: no bowl
+    with pytest.raises(ConfigError, match="widen the LR grid"):
+        fit_lr_rule([32] * 3 + [64] * 3, [1e-3, 2e-3, 4e-3] * 2, falling + falling)
 
 
 def test_rung_seeds_train_each_shape_with_more_init_seeds_under_their_own_names():

@@ -42,7 +42,7 @@ def _recipe(recipe: Path | None, preset: str | None):
 @ladder_app.command()
 def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt = False) -> None:
     """The rungs of a recipe and its target: shape, parameters, tokens, steps, FLOPs."""
-    from moelab.ladder.rungs import check_monotone, plan_rows, rungs_of
+    from moelab.ladder.rungs import check_monotone, lr_rule_text, plan_rows, rungs_of
 
     r = _recipe(recipe, preset)
     configs = rungs_of(r)
@@ -57,6 +57,7 @@ def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt =
                       f"{row['total_params']:.4g}", f"{row['tokens']:.4g}", f"{row['steps']:,}", f"{row['lr']:.3g}",
                       f"{row['train_flops']:.3g}")
     out_console.print(table)
+    out_console.print(lr_rule_text(r))
     if preset is None:  # a preset's data is the frontier's (not on this machine); a recipe's is read
         _warn_repeated_data(configs + [r.target])
 

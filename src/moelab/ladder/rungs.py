@@ -39,7 +39,7 @@ from moelab.config import RunConfig, read_yaml
 from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
-__all__ = ["LadderRecipe", "rung_lr", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
+__all__ = ["LadderRecipe", "rung_lr", "lr_rule_text", "LrRule", "fit_lr_rule", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
            "check_monotone", "data_epochs", "repeated_data"]
 
 
@@ -75,6 +75,81 @@ def _whole(value) -> bool:
 def rung_lr(recipe: LadderRecipe, d_model: int) -> float:
     """The recipe's LR for a rung of width `d_model` (its transfer rule; see the module docstring)."""
     return recipe.target.train.lr * (recipe.target.model.d_model / d_model) ** recipe.lr_exponent
+
+
+def lr_rule_text(recipe: LadderRecipe) -> str:
+    """One sentence on how the recipe sets its rungs' LRs, for `ladder plan`."""
+    lr, d = recipe.target.train.lr, recipe.target.model.d_model
+    if recipe.lr_exponent == 0:
+        return (f"Every rung trains at the target's LR {lr:.3g} (lr_exponent 0: no LR transfer rule; fit one with "
+                "benchmarks/lr_sweep.py).")
+    return (f"Rung LRs follow the recipe's transfer rule lr(d) = {lr:.3g} x ({d} / d)^{recipe.lr_exponent:g} "
+            f"(lr_exponent {recipe.lr_exponent:g}).")
+
+
+@dataclass(frozen=True)
+class LrRule:
+    """lr*(d) = c * d^-k: the peak LR that minimises the final loss at width d (`fit_lr_rule`)."""
+
+    c: float
+    k: float  # what a recipe stores as lr_exponent
+    curvature: float  # b in loss = m_d + b * ln(lr / lr*(d))^2: the loss a factor e off the optimum costs
+    rmse: float  # of the fitted bowls over the sweep's points
+
+    def lr(self, d_model: float) -> float:
+        return self.c * d_model ** -self.k
+
+
+def fit_lr_rule(d_model, lr, loss) -> LrRule:
+    """Fit lr*(d) = c * d^-k to a per-width LR sweep: one bowl in log LR per width, centred on the rule.
+
+        loss(d, lr) = m_d + b * (ln lr - ln c + k * ln d)^2
+
+    with a level m_d per width, one curvature b, least squares over every point. Sharing b and the
+    line lets a width whose grid barely brackets its optimum lean on the others (a parabola per width
+    would put such a width's optimum anywhere). Given (ln c, k), m_d and b are linear and solved
+    exactly (variable projection, as in `fit`); the search runs over k in [0, 2] (the range
+    `lr_exponent` accepts) and ln lr* at the widths' geometric mean, a grid then Nelder-Mead.
+
+    >>> d, lr = [32] * 3 + [64] * 3, [1e-3, 2e-3, 4e-3, 5e-4, 1e-3, 2e-3]
+    >>> loss = [2 + 0.1 * math.log(x * w / 0.064) ** 2 for w, x in zip(d, lr)]   # lr*(d) = 0.064 / d
+    >>> rule = fit_lr_rule(d, lr, loss)
+    >>> round(rule.k, 3), round(rule.lr(32), 5)
+    (1.0, 0.002)
+    """
+    import numpy as np
+    from scipy.optimize import minimize
+
+    d, x, y = (np.asarray(v, dtype=float) for v in (d_model, lr, loss))
+    widths = np.unique(d)
+    if len(widths) < 2 or any((d == w).sum() < 3 for w in widths):
+        raise ConfigError(f"an LR rule needs at least 2 widths with 3 or more LRs each; got widths {d.tolist()}.")
+    levels = (d[:, None] == widths[None, :]).astype(float)
+    log_ref = np.log(widths).mean()
+
+    def solve(theta) -> tuple[np.ndarray, float]:
+        log_lr_ref, k = theta
+        design = np.column_stack([levels, (np.log(x) - log_lr_ref + k * (np.log(d) - log_ref)) ** 2])
+        coef = np.linalg.lstsq(design, y, rcond=None)[0]
+        bowl = coef[-1] > 0 and 0 <= k <= 2 and abs(log_lr_ref - np.log(x).mean()) < 5  # opening down: no optimum
+        return coef, float(np.sum((design @ coef - y) ** 2)) if bowl else np.inf
+
+    grid = [(a, k) for a in np.linspace(np.log(x.min()) - 1, np.log(x.max()) + 1, 61) for k in np.linspace(0, 2, 41)]
+    start = min(grid, key=lambda theta: solve(theta)[1])
+    if not np.isfinite(solve(start)[1]):
+        raise ConfigError("the LR sweep's losses do not rise on both sides of any LR rule: widen the LR grid so "
+                          "that each width's best LR has a worse one on either side.")
+    best = minimize(lambda theta: solve(theta)[1], np.array(start), method="Nelder-Mead",
+                    options={"xatol": 1e-6, "fatol": 1e-12}).x
+    coef, sse = solve(best)
+    rule = LrRule(c=float(np.exp(best[0] + best[1] * log_ref)), k=float(best[1]), curvature=float(coef[-1]),
+                  rmse=float(np.sqrt(sse / len(y))))
+    outside = [f"d={w:g}: {rule.lr(w):.3g} not in [{x[d == w].min():.3g}, {x[d == w].max():.3g}]" for w in widths
+               if not x[d == w].min() / 1.01 <= rule.lr(w) <= x[d == w].max() * 1.01]
+    if outside:  # a bowl's centre beyond the points is a guess from its curvature, not a measured optimum
+        raise ConfigError(f"the fitted LR rule puts optima outside their width's LR grid ({'; '.join(outside)}): "
+                          "widen the LR grid so that each width's best LR has a worse one on either side.")
+    return rule
 
 
 def rungs_of(recipe: LadderRecipe) -> list[RunConfig]:
