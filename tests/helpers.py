@@ -1,6 +1,8 @@
 """Helpers shared by test modules (importable because pytest puts tests/ on sys.path for conftest.py)."""
 
+import contextlib
 import importlib.util
+import io
 import sys
 from pathlib import Path
 
@@ -12,13 +14,33 @@ def run_cli(args, monkeypatch, capsys):
     from moelab import cli
 
     monkeypatch.setattr(sys, "argv", ["moelab", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
+    code = _exit_code(cli.main)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def _exit_code(main) -> int:
+    try:
+        main()
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+def run_cli_redirected(mp, args, cwd=None):
+    """`run_cli` without capsys, for module-scoped fixtures: (exit code, stdout, stderr), run from `cwd` if given.
+
+    `mp` is a pytest.MonkeyPatch; argv and the directory are restored afterwards.
+    """
+    from moelab import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mp.context() as m:
+        if cwd is not None:
+            m.chdir(cwd)
+        m.setattr(sys, "argv", ["moelab", *args])
+        code = _exit_code(cli.main)
+    return code, out.getvalue(), err.getvalue()
 
 
 def load_benchmark(name: str):

@@ -6,7 +6,6 @@ skip (same step version), so the second report reads the same run with a refutin
 
 import contextlib
 import html
-import io
 import json
 import os
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import run_cli
+from helpers import run_cli, run_cli_redirected
 
 from moelab.lab.ledger import append, open_ledger, records, verify
 from moelab.lab.registry import Prediction
@@ -90,17 +89,7 @@ def run_files(run_dir, files, aside):
 
 def _cli(mp, args):
     """run_cli without capsys (module fixture): the report command prints only the path on stdout."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        from moelab import cli
-
-        mp.setattr("sys.argv", ["moelab", *args])
-        code = 0
-        try:
-            cli.main()
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
+    return run_cli_redirected(mp, args)
 
 
 # ----------------------------------------------------------------------------------------------

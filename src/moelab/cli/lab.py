@@ -9,6 +9,9 @@
     moelab lab verify                                             # recompute the hash chain
     moelab lab verify --head 3f2a9c0e51b7                         # is a published head still in it?
     moelab lab report demo-tiny                                   # HTML + Markdown report of the run
+    moelab lab export demo-tiny --out demo-tiny.tar.gz            # a bundle anyone can check (cli/bundle.py)
+    moelab lab verify demo-tiny.tar.gz                            # its hashes, chain and report numbers
+    moelab lab reproduce demo-tiny.tar.gz --steps-fraction 0.1    # rerun at the recorded commit; compare
 
 Every command takes --ledger PATH (default: $MOELAB_LEDGER, else lab/ledger.sqlite). Commands that
 write (register, amend, run) refuse a ledger whose chain is broken. Exit codes: 0 success; 1 a step
@@ -31,6 +34,7 @@ from rich.markdown import Markdown
 from rich.markup import escape
 from rich.table import Table
 
+from moelab.cli.bundle import export, reproduce, verify_bundle_command
 from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOpt, err_console, out_console,
                                print_problem)
 from moelab.cli.train import training_progress
@@ -42,6 +46,8 @@ from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open
 
 lab_app = typer.Typer(no_args_is_help=True, add_completion=False,
                       help="Pre-register, run and audit experiments: the open lab's record.")
+lab_app.command("export")(export)
+lab_app.command("reproduce")(reproduce)
 IdArg = Annotated[str, typer.Argument(help="The experiment id, e.g. demo-tiny.", show_default=False)]
 SpecArg = Annotated[Path, typer.Argument(help="An experiment spec YAML, e.g. experiments/demo-spec.yaml.",
                                          show_default=False)]
@@ -158,17 +164,23 @@ def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) ->
 
 @lab_app.command()
 def verify(
+    bundle: Annotated[Optional[Path], typer.Argument(show_default=False, help=(
+        "A bundle from `moelab lab export` (folder or .tar.gz) to check alone, instead of the ledger."))] = None,
     ledger: LedgerOpt = DEFAULT_LEDGER,
     head: Annotated[Optional[str], typer.Option("--head", show_default=False, help=(
         "A head hash published earlier (by `lab verify`, `lab show` or a report), in full or its first 12+ hex "
         "digits, e.g. --head 3f2a9c0e51b7: fail (exit 1) unless that record is still in the chain."))] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Recompute the ledger's hash chain; name the first broken record (exit 1) if there is one.
+    """Recompute the ledger's hash chain, or check a BUNDLE; name what is broken (exit 1) if anything is.
 
     With --head, also prove that a published head is still in the chain: rows cut off the end (or
-    rewritten) leave a valid but shorter chain that only a head kept elsewhere can expose.
+    rewritten) leave a valid but shorter chain that only a head kept elsewhere can expose. With BUNDLE:
+    every file's SHA-256, its records and their chain up to the head it states, and that its report's
+    numbers are its metrics'.
     """
+    if bundle is not None:
+        return verify_bundle_command(bundle, head, json_out)
     book = open_ledger(ledger)
     check = verify_chain(book)
     found = find_record(book, head, up_to=check.num_records) if head is not None else None

@@ -41,8 +41,9 @@ from moelab.ladder.predict import sidecar_path
 from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
                                  read_summary)
 
-__all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "find_run_dir", "router_load_heatmap",
-           "Section", "build_sections", "render_html", "render_markdown", "write_report"]
+__all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "stated_tables",
+           "find_run_dir", "router_load_heatmap", "Section", "build_sections", "render_html", "render_markdown",
+           "write_report"]
 
 CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
 SECTION_IDS = ("hypothesis", "loss-curve", "per-domain-eval", "mixture", "router", "norms-incidents", "amendments",
@@ -330,7 +331,8 @@ def _loss_curve(metrics: list[dict], out: Path, run_body: dict, report_dir: Path
     return sec
 
 
-def _per_domain(metrics: list[dict], summary: dict) -> Section:
+def _per_domain_table(metrics: list[dict], summary: dict) -> Section:
+    """The per-domain section's table alone (no plot): initial and final value of every eval/* metric."""
     sec = Section("per-domain-eval", "Per-domain eval")
     keys = sorted({k for r in metrics for k in r if k.startswith("eval/")})
     if not keys:
@@ -342,6 +344,15 @@ def _per_domain(metrics: list[dict], summary: dict) -> Section:
         value, step = _final_value(metrics, summary, key)
         rows.append([key, initial.get(key[5:]), value, step])
     sec.table(["metric", "initial", "final", "at step"], rows)
+    return sec
+
+
+def _per_domain(metrics: list[dict], summary: dict) -> Section:
+    sec = _per_domain_table(metrics, summary)
+    keys = sorted({k for r in metrics for k in r if k.startswith("eval/")})
+    if not keys:
+        return sec
+    initial = summary.get("eval_initial", {})
     series = {key: _with_initial(metrics, initial, key) for key in keys}  # step 0 as the table has it
     sec.img("per_domain_eval", _line_plot(series, "eval loss per domain", "loss (nats / token)"))
     return sec
@@ -494,7 +505,41 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
             f"moelab train {CONFIG} --out .\n"
             f"# the ledger still holds every record this report read (fails if rows were cut off or rewritten):\n"
             f"moelab lab verify --ledger {book} --head {chain.head_hash}")
+    _reproductions(sec, experiment)
     return sec
+
+
+def _reproductions(sec: Section, experiment: Experiment) -> None:
+    """The experiment's reruns by `moelab lab reproduce` (ledger records of event `reproduction`), each step's
+    verdict and first difference; the record names the original run records it was compared with."""
+    done = [r for r in experiment.runs if r.body.get("event") == "reproduction"]
+    if not done:
+        sec.p(f"Not reproduced yet: `moelab lab export {experiment.id} --out BUNDLE`, then `moelab lab reproduce "
+              "BUNDLE` reruns it at its commit and compares.")
+        return
+    rows, platforms = [], {True: "same", False: "other", None: "unknown"}
+    for r in done:
+        b = r.body
+        for name, step in b["steps"].items():
+            first = step.get("first_difference")
+            rows.append([r.seq, r.created_at, name, f"{step['until']} of {step['steps']}", str(b["git_commit"])[:12],
+                         platforms[b.get("same_platform")],
+                         ", ".join(f"{k}={v}" for k, v in b.get("overrides", {}).items()) or "none",
+                         step["verdict"], step.get("params"),
+                         "—" if first is None else f"step {first['step']}: {first['metric']}",
+                         f"record {step['original']['seq']}"])
+    sec.p("Reproductions (`moelab lab reproduce`): each training step rerun at the recorded commit and compared "
+          "with its original run, logged step by logged step.")
+    sec.table(["ledger record", "time", "step", "steps rerun", "commit", "platform", "changed", "verdict",
+               "final weights", "first difference", "original"], rows)
+
+
+def stated_tables(experiment: Experiment, metrics: list[dict], summary: dict) -> dict[str, list[list[str]]]:
+    """The tables of numbers the report states about the outcome, as printed (header row first): the
+    hypothesis table (observed value, its step, the verdict) and the per-domain eval table, by section id.
+    `moelab lab verify BUNDLE` recomputes them from the bundle's metrics and compares them with its report."""
+    sections = (_hypothesis(experiment, metrics, summary), _per_domain_table(metrics, summary))
+    return {s.id: [row for part in s.parts if part[0] == "table" for row in (part[1], *part[2])] for s in sections}
 
 
 def experiment_verdict(ledger: Ledger, exp_id: str) -> tuple[str, float | None]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import platform
 import signal
 import threading
 import time
@@ -47,10 +48,11 @@ from moelab.train.checkpoint import Checkpointer
 from moelab.train.monitor import Incident, Monitor, group_norms, router_bias_norms
 from moelab.train.outputs import Sink
 from moelab.train.schedule import learning_rate
-from moelab.train.state import TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings
+from moelab.train.state import (TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings,
+                                weights_sha256)
 
 __all__ = ["Hooks", "Watcher", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
-           "config_changes", "check_resumable", "train"]
+           "config_changes", "check_resumable", "run_platform", "train"]
 
 def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
     """`cfg.model.moe.dispatch`'s backend; `ep` runs on `mesh`, or on one built from `cfg.mesh` if None."""
@@ -257,6 +259,14 @@ def _resume(cfg: RunConfig, out: Path, hooks: Hooks, checkpoints: Checkpointer, 
     if restored is None:
         return _Start(0, state, None, kept)
     return _Start(start, restored.state, restored.meta, kept)
+
+
+def run_platform() -> dict[str, Any]:
+    """Where a run computed: Python (it also builds the embedded corpus from its standard library), JAX, the
+    backend, device kind and count, and the machine. Two runs compare bitwise only where these match."""
+    return {"python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+            "machine": platform.machine(), "system": platform.system()}
 
 
 def _store_hash(corpus: Corpus) -> str | None:
@@ -479,4 +489,8 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
         "tokens_per_s": steady_steps * tokens_per_step / (time.perf_counter() - steady_since) if steady_steps else None,
         "incidents": len(start.kept[outputs.INCIDENTS]) + len(incidents),
         "resumed_from": start.step or None,
+        # What `moelab lab reproduce` compares a rerun with: bitwise-equal weights, and the platform that
+        # made them (a rerun elsewhere is held to the run-to-run noise instead).
+        "params_sha256": weights_sha256(state),
+        "platform": run_platform(),
     }

@@ -6,10 +6,12 @@ see it (design §3). Data order depends only on (seed, step), so `step` is also 
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jax.sharding import Mesh
@@ -19,7 +21,8 @@ from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.schedule import learning_rate
 
-__all__ = ["TrainState", "compute_dtype", "make_optimizer", "init_state", "state_shardings", "init_sharded_state"]
+__all__ = ["TrainState", "compute_dtype", "make_optimizer", "init_state", "state_shardings", "init_sharded_state",
+           "weights_sha256"]
 
 
 class TrainState(NamedTuple):
@@ -67,3 +70,21 @@ def init_sharded_state(cfg: RunConfig, mesh: Mesh) -> TrainState:
     seed like `init_state`, but compiled as one program its values may differ from the op-by-op
     `init_state` in the last bit (measured: at most 1 float32 ulp)."""
     return jax.jit(lambda: init_state(cfg), out_shardings=state_shardings(cfg, mesh))()
+
+
+def weights_sha256(state: TrainState) -> str | None:
+    """SHA-256 of what the model computes with: every param (path, dtype, shape, bytes) and the router bias.
+
+    Equal hashes mean bitwise-equal weights: `moelab lab reproduce` compares a rerun's final hash with the
+    recorded one. None when this process does not hold every shard (a multi-host run): gathering a
+    frontier model onto one host only to hash it is not worth it.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path({"params": state.params, "router_bias": state.router_bias})
+    if not all(getattr(x, "is_fully_addressable", True) for _, x in leaves):
+        return None
+    digest = hashlib.sha256()
+    for path, leaf in leaves:
+        array = np.ascontiguousarray(jax.device_get(leaf))
+        digest.update(f"{jax.tree_util.keystr(path)}:{array.dtype.str}:{array.shape};".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,483 @@
+"""An experiment's portable bundle: everything an outsider needs to check it, and to rerun it.
+
+    export_bundle(ledger, "demo-ladder", "demo-ladder.tar.gz")   # `moelab lab export ID --out BUNDLE`
+    with open_bundle("demo-ladder.tar.gz") as folder:               # `moelab lab verify BUNDLE`
+        check = verify_bundle(folder)                               # check.problems == [] when it holds
+
+A bundle is a folder (or the same folder as a `.tar.gz`):
+
+    bundle.json            format, the experiment, when and from which ledger, the ledger's head at export,
+                           and each step: its directory, version, the ledger record of its finished run, commit
+    spec/registered.yaml   the spec as registered; spec/amendment-N.yaml each amended version
+    ledger/records.jsonl   every ledger record of the experiment (registration, amendments, runs, metrics,
+                           incidents, mixture log, samples), each with its prev_hash and hash
+    ledger/chain.jsonl     {seq, prev_hash, hash} of every record from the experiment's first to the head
+    steps/<step>/          each step's files: config.yaml (the resolved config), step.json, metrics.jsonl,
+                           incidents.jsonl, mixture_log.jsonl, summary.json, prediction.csv + .json, ...
+                           (checkpoints stay behind); store-<i>-manifest.json: the token stores it read
+    report/                report.md, report.html and the plots, written at export
+    MANIFEST.sha256        the SHA-256 of every other file, `sha256sum -c` format
+
+How much of the ledger's chain a bundle can prove. The experiment's records are only some of the
+ledger's, interleaved with other experiments'. Each record travels whole, so its hash recomputes
+(`ledger.record_hash`); the other records travel as links alone ({seq, prev_hash, hash}, content
+withheld), so `verify_bundle` checks that the experiment's records sit, in order, on one unbroken
+line of hashes that ends at the ledger head the bundle states. What it cannot check alone is that
+the withheld records hash right, or what came before the experiment's first record: whoever holds
+the ledger proves both with `moelab lab verify --ledger L --head HEAD`.
+
+`verify_bundle` also recomputes each step's version from its step.json (as `lab.dag` does), checks
+that each training step's config.yaml is the config that version names, and that the numbers the
+report states (observed value, verdict, per-domain evals; `report.stated_tables`) are those of the
+bundled metrics, and that the ledger head the report names is on the chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import html
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from moelab.data.store import read_manifest, sha256_file
+from moelab.errors import ConfigError, DataError
+from moelab.lab.dag import SUCCESS, Step, read_status, step_versions, versioned
+from moelab.lab.ledger import Ledger, Record, canonical_json, record_hash, records, verify
+from moelab.lab.registry import Experiment, load_experiment, spec_hash
+from moelab.train.outputs import CONFIG, DATA, METRICS, SUMMARY, read_jsonl
+
+__all__ = ["FORMAT", "MANIFEST", "INFO", "RECORDS", "CHAIN", "Bundle", "BundleCheck", "Exported", "finished_steps",
+           "export_bundle", "open_bundle", "load_bundle", "verify_bundle", "sha256_file"]
+
+FORMAT, FORMAT_VERSION = "moelab-bundle", 1
+MANIFEST, INFO = "MANIFEST.sha256", "bundle.json"
+RECORDS, CHAIN = "ledger/records.jsonl", "ledger/chain.jsonl"
+TAR_SUFFIX = ".tar.gz"
+REPORT_MD, REPORT_HTML = "report/report.md", "report/report.html"
+TRAIN_STEP = "train"  # the step whose run the report describes (report.TRAIN_STEP)
+_SKIPPED_ENTRIES = ("checkpoints", "wandb", "report")  # a step's folders that stay behind: large, or rewritten
+
+
+# ----------------------------------------------------------------------------------------------
+# export
+
+
+def finished_steps(experiment: Experiment) -> dict[str, Record]:
+    """Each step's newest `finished` (or `skipped`, by a later run) ledger record, by step name."""
+    found: dict[str, Record] = {}
+    for record in experiment.runs:
+        if record.body.get("event") in ("finished", "skipped") and record.body.get("output_dir"):
+            found[record.body["step"]] = record
+    return found
+
+
+def _record_line(record: Record) -> str:
+    return canonical_json(dataclasses.asdict(record)) + "\n"
+
+
+def _spec_files(experiment: Experiment) -> dict[str, Record]:
+    files = {"spec/registered.yaml": experiment.registration}
+    files.update({f"spec/amendment-{n}.yaml": a for n, a in enumerate(experiment.amendments, 1)})
+    return files
+
+
+def _copy_step(src: Path, dst: Path) -> list[str]:
+    """The step's top-level files into `dst`, plus the manifest of each token store it read; returns the
+    stores whose manifest could not be read (the run's data.json still names them)."""
+    dst.mkdir(parents=True)
+    for entry in sorted(src.iterdir()):
+        if entry.is_file() and not entry.name.startswith(".") and entry.name not in _SKIPPED_ENTRIES:
+            shutil.copyfile(entry, dst / entry.name)
+    unreachable = []
+    if (src / DATA).is_file():
+        for i, store in enumerate(json.loads((src / DATA).read_text()).get("stores", [])):
+            try:
+                manifest = read_manifest(store["location"])
+            except DataError:
+                unreachable.append(str(store["location"]))
+                continue
+            (dst / f"store-{i}-manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return unreachable
+
+
+def _write_manifest(folder: Path) -> str:
+    """MANIFEST.sha256 over every other file (sorted paths); returns the manifest's own SHA-256."""
+    lines = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}\n" for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != MANIFEST]
+    (folder / MANIFEST).write_text("".join(lines))
+    return sha256_file(folder / MANIFEST)
+
+
+def _fill(folder: Path, ledger: Ledger, exp_id: str) -> dict:
+    from moelab.lab.report import write_report  # matplotlib: only when a bundle is written
+
+    chain = verify(ledger)
+    if not chain.ok:
+        raise ConfigError(f"the ledger {ledger.path} fails its hash check at record {chain.broken_seq}: "
+                          f"{chain.problem}. A bundle of a broken chain would prove nothing; restore the ledger "
+                          f"from a copy you trust (`moelab lab verify --ledger {ledger.path}` shows the details).")
+    experiment = load_experiment(ledger, exp_id)
+    steps = finished_steps(experiment)
+    if TRAIN_STEP not in steps:
+        raise ConfigError(f"experiment {exp_id!r} has no finished training step on {ledger.path}, so there is "
+                          f"nothing to bundle yet; run it first: `moelab lab run {exp_id} --ledger {ledger.path}`.")
+    for name, record in steps.items():
+        out = Path(record.body["output_dir"])
+        if read_status(out) != SUCCESS:
+            raise ConfigError(f"step {name} of {exp_id!r} finished in {out} (ledger record {record.seq}), but that "
+                              f"directory does not hold a SUCCESS run now (moved or deleted?). Run `moelab lab run "
+                              f"{exp_id}` again to restore it, then export.")
+    own = records(ledger, key=exp_id)
+    (folder / "ledger").mkdir()
+    (folder / RECORDS).write_text("".join(_record_line(r) for r in own))
+    (folder / CHAIN).write_text("".join(
+        canonical_json({"seq": r.seq, "prev_hash": r.prev_hash, "hash": r.hash}) + "\n"
+        for r in records(ledger) if r.seq >= own[0].seq))
+    (folder / "spec").mkdir()
+    for name, record in _spec_files(experiment).items():
+        (folder / name).write_text(yaml.safe_dump(record.body["spec"], sort_keys=False, allow_unicode=True))
+    step_info, unreachable = {}, []
+    for name, record in steps.items():
+        unreachable += _copy_step(Path(record.body["output_dir"]), folder / "steps" / name)
+        step_info[name] = {"dir": f"steps/{name}", "version": record.body["version"],
+                           "record": {"seq": record.seq, "hash": record.hash},
+                           "git_commit": record.body.get("git_commit"), "git_dirty": record.body.get("git_dirty")}
+    write_report(ledger, exp_id, folder / "report")
+    info = {"format": FORMAT, "version": FORMAT_VERSION, "experiment": exp_id,
+            "exported_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "ledger": {"path": str(ledger.path), "num_records": chain.num_records, "head_hash": chain.head_hash},
+            "steps": step_info, "unreachable_stores": sorted(set(unreachable))}
+    (folder / INFO).write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+@dataclass(frozen=True)
+class Exported:
+    path: Path
+    manifest_sha256: str  # publish it: a bundle whose MANIFEST hashes to it holds exactly these files
+    num_files: int
+    info: dict
+
+
+def export_bundle(ledger: Ledger, exp_id: str, out: str | Path) -> Exported:
+    """Write the bundle of `exp_id` to `out` (a folder, or a `.tar.gz` when the name ends so).
+
+    Refused (ConfigError) when `out` exists, the ledger's chain is broken, or the experiment has no
+    finished training step. Written under a temporary name and renamed: a failed export leaves nothing.
+    """
+    out = Path(out)
+    if out.exists():
+        raise ConfigError(f"--out {out} already exists; a bundle is written whole into a new path. Pass another "
+                          "--out, or remove the old bundle first.")
+    name = out.name[:-len(TAR_SUFFIX)] if out.name.endswith(TAR_SUFFIX) else out.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{name}.", dir=out.parent) as tmp:
+        folder = Path(tmp) / name
+        folder.mkdir()
+        info = _fill(folder, ledger, exp_id)
+        digest = _write_manifest(folder)
+        num_files = sum(1 for p in folder.rglob("*") if p.is_file())
+        if out.name.endswith(TAR_SUFFIX):
+            partial = Path(tmp) / out.name
+            with tarfile.open(partial, "w:gz") as tar:
+                tar.add(folder, arcname=name)
+            os.replace(partial, out)
+        else:
+            os.replace(folder, out)
+    return Exported(out, digest, num_files, info)
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+@contextlib.contextmanager
+def open_bundle(path: str | Path) -> Iterator[Path]:
+    """The bundle's folder: `path` itself, or a `.tar.gz` unpacked into a temporary folder for the block."""
+    path = Path(path)
+    if path.is_dir():
+        yield path
+        return
+    if not path.is_file():
+        raise ConfigError(f"no bundle at {path}: pass the folder or .tar.gz that `moelab lab export ID --out "
+                          "BUNDLE` wrote.")
+    with tempfile.TemporaryDirectory(prefix="moelab-bundle-") as tmp:
+        try:
+            with tarfile.open(path, "r:*") as tar:
+                tar.extractall(tmp, filter="data")  # no absolute paths, links out or devices
+        except (tarfile.TarError, OSError) as e:
+            raise ConfigError(f"{path} is not a readable bundle archive ({e}); pass the folder or .tar.gz that "
+                              "`moelab lab export` wrote.") from None
+        tops = [p for p in Path(tmp).iterdir()]
+        if len(tops) != 1 or not tops[0].is_dir():
+            raise ConfigError(f"{path} does not hold one bundle folder (it holds {len(tops)} entries at the top); "
+                              "pass the .tar.gz that `moelab lab export` wrote.")
+        yield tops[0]
+
+
+@dataclass(frozen=True)
+class Bundle:
+    folder: Path
+    info: dict
+    experiment: Experiment  # rebuilt from the bundled records
+
+    def step_dir(self, name: str) -> Path:
+        return self.folder / self.info["steps"][name]["dir"]
+
+    def steps(self) -> list[str]:
+        return list(self.info["steps"])
+
+
+def _read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_bundle(folder: str | Path) -> Bundle:
+    """The bundle's info and its experiment as its records say. ConfigError when it is not a bundle;
+    this checks nothing else: `verify_bundle` does."""
+    folder = Path(folder)
+    try:
+        info = json.loads((folder / INFO).read_text())
+        rows = _read_records(folder / RECORDS)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{folder} is not a moelab bundle ({INFO} or {RECORDS} is missing or not JSON: {e}); "
+                          "pass the folder or .tar.gz that `moelab lab export ID --out BUNDLE` wrote.") from None
+    if info.get("format") != FORMAT or info.get("version") != FORMAT_VERSION:
+        raise ConfigError(f"{folder / INFO} says format {info.get('format')!r} version {info.get('version')!r}; "
+                          f"this moelab reads {FORMAT!r} version {FORMAT_VERSION}.")
+    own = [Record(**row) for row in rows]
+    registration = [r for r in own if r.kind == "experiment"]
+    if not registration:
+        raise ConfigError(f"{folder / RECORDS} holds no registration record of {info.get('experiment')!r}; "
+                          "it is not an exported experiment.")
+    experiment = Experiment(info["experiment"], registration[0], tuple(r for r in own if r.kind == "amendment"),
+                            tuple(r for r in own if r.kind == "run"))
+    return Bundle(folder, info, experiment)
+
+
+# ----------------------------------------------------------------------------------------------
+# verification
+
+
+@dataclass(frozen=True)
+class BundleCheck:
+    problems: list[str]  # one sentence each, naming the file or the record; [] when the bundle holds
+    manifest_sha256: str | None
+    num_files: int
+    head_hash: str | None  # the ledger head the bundle states
+    num_records: int  # the experiment's records in it
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_manifest(folder: Path) -> tuple[list[str], str | None, int]:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return [f"{MANIFEST} is missing: nothing in the bundle can be checked against it"], None, 0
+    problems, listed = [], set()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        match = re.fullmatch(r"([0-9a-f]{64})  (.+)", line)
+        if not match or ".." in Path(match.group(2)).parts or Path(match.group(2)).is_absolute():
+            problems.append(f"{MANIFEST}:{number} is not a '<sha256>  <path>' line inside the bundle")
+            continue
+        digest, name = match.groups()
+        listed.add(name)
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{name} is missing (listed in {MANIFEST})")
+        elif sha256_file(file) != digest:
+            problems.append(f"{name} was changed: its SHA-256 is not the one {MANIFEST} lists")
+    for file in sorted(folder.rglob("*")):
+        name = file.relative_to(folder).as_posix()
+        if file.is_file() and name != MANIFEST and name not in listed:
+            problems.append(f"{name} is not listed in {MANIFEST}: it was added after export")
+    return problems, sha256_file(path), len(listed) + 1
+
+
+def _check_chain(folder: Path, info: dict) -> list[str]:
+    """The experiment's records recompute; they sit on the chain's links, which are unbroken up to the head."""
+    problems = []
+    try:
+        own, links = _read_records(folder / RECORDS), _read_records(folder / CHAIN)
+    except (OSError, ValueError) as e:
+        return [f"{RECORDS} or {CHAIN} cannot be read as JSON lines ({e})"]
+    by_seq = {}
+    for i, link in enumerate(links):
+        if i and (link.get("seq") != links[i - 1]["seq"] + 1 or link.get("prev_hash") != links[i - 1].get("hash")):
+            problems.append(f"{CHAIN}: record {link.get('seq')} does not link to record {links[i - 1].get('seq')} "
+                            "(its prev_hash is not that record's hash, or a record is missing between them)")
+        by_seq[link.get("seq")] = link
+    head = info.get("ledger", {})
+    if not links or links[-1].get("hash") != head.get("head_hash") or links[-1].get("seq") != head.get("num_records"):
+        problems.append(f"{CHAIN} does not end at the ledger head {INFO} states (record {head.get('num_records')}, "
+                        f"sha256 {str(head.get('head_hash'))[:16]}...)")
+    for row in own:
+        seq, what = row.get("seq"), f"{RECORDS}: record {row.get('seq')} ({row.get('kind')} {row.get('key')!r})"
+        try:
+            digest = record_hash(row["prev_hash"], seq, row["kind"], row["key"], row["created_at"], row["body"])
+        except (KeyError, TypeError):
+            problems.append(f"{what} lacks a field of a ledger record")
+            continue
+        if digest != row["hash"]:
+            problems.append(f"{what} does not match its hash: a field was changed after it was written")
+        elif row["key"] != info.get("experiment"):
+            problems.append(f"{what} belongs to another experiment than {info.get('experiment')!r}")
+        elif by_seq.get(seq, {}).get("hash") != digest or by_seq[seq].get("prev_hash") != row["prev_hash"]:
+            problems.append(f"{what} is not on the chain in {CHAIN} at its place")
+    return problems
+
+
+def _check_specs(bundle: Bundle) -> list[str]:
+    problems = []
+    for name, record in _spec_files(bundle.experiment).items():
+        try:
+            data = yaml.safe_load((bundle.folder / name).read_text())
+        except (OSError, yaml.YAMLError):
+            data = None
+        if data is None or spec_hash(data) != record.body.get("spec_hash"):
+            problems.append(f"{name} is not the spec of ledger record {record.seq} (its content hash differs)")
+    return problems
+
+
+def _check_steps(bundle: Bundle) -> list[str]:
+    """Each step's record is in the bundle, its version recomputes from step.json, a training step's
+    config.yaml is the config of that version."""
+    problems, runs, steps = [], {r.seq: r for r in bundle.experiment.runs}, []
+    for name, entry in bundle.info.get("steps", {}).items():
+        where = bundle.folder / entry["dir"]
+        record = runs.get(entry["record"]["seq"])
+        if record is None or record.hash != entry["record"]["hash"] or record.body.get("version") != entry["version"]:
+            problems.append(f"{INFO}: step {name} names ledger record {entry['record']['seq']}, which is not its "
+                            f"finished run in {RECORDS}")
+        try:
+            step = json.loads((where / "step.json").read_text())
+        except (OSError, ValueError):
+            problems.append(f"{entry['dir']}/step.json is missing or not JSON")
+            continue
+        if step.get("version") != entry["version"]:
+            problems.append(f"{entry['dir']}/step.json names version {str(step.get('version'))[:12]}..., not the "
+                            f"recorded {entry['version'][:12]}...")
+        steps.append(Step(name, _no_fn, {k: versioned(v) for k, v in step.get("versioned", {}).items()},
+                          tuple(step.get("deps", {}))))
+        if "run" in step.get("versioned", {}):
+            try:
+                config = yaml.safe_load((where / CONFIG).read_text())
+                config.pop("name", None)
+                same = canonical_json(config) == canonical_json(step["versioned"]["run"])
+            except (OSError, yaml.YAMLError, AttributeError):
+                same = False
+            if not same:
+                problems.append(f"{entry['dir']}/{CONFIG} is not the config of step version {entry['version'][:12]}...")
+    try:
+        recomputed = step_versions(steps)
+    except ConfigError as e:
+        return problems + [f"the steps' step.json files do not form the experiment's DAG: {e}"]
+    problems += [f"steps/{s.name}/step.json: its versioned fields and dependencies hash to "
+                 f"{recomputed[s.name][:12]}..., not to its recorded version" for s in steps
+                 if recomputed[s.name] != bundle.info["steps"][s.name]["version"]]
+    return problems
+
+
+def _no_fn(ctx: Any) -> None:  # a Step rebuilt only to recompute its version
+    raise AssertionError("never run")
+
+
+def _markdown_tables(text: str) -> dict[str, list[list[str]]]:
+    """The tables of each `<a id="...">` section of report.md, as rows of cell text (separator rows dropped)."""
+    tables: dict[str, list[list[str]]] = {}
+    section = None
+    for line in text.splitlines():
+        anchor = re.fullmatch(r'<a id="([^"]+)"></a>', line)
+        if anchor:
+            section = anchor.group(1)
+        elif section and line.startswith("| ") and not re.fullmatch(r"\|(---\|)+", line):
+            cells = re.split(r"(?<!\\) \| ", line[2:-2])
+            tables.setdefault(section, []).append([c.replace("\\|", "|") for c in cells])
+    return tables
+
+
+def _html_tables(text: str) -> dict[str, list[list[str]]]:
+    tables = {}
+    for sid, body in re.findall(r'<section id="([^"]+)">(.*?)</section>', text, re.DOTALL):
+        rows = [[html.unescape(c) for c in re.findall(r"<t[hd]>(.*?)</t[hd]>", row)]
+                for row in re.findall(r"<tr>(.*?)</tr>", body, re.DOTALL)]
+        if rows:
+            tables[sid] = rows
+    return tables
+
+
+def _check_report(bundle: Bundle) -> list[str]:
+    """The numbers the report states are those of the bundled metrics; its ledger head is on the chain."""
+    from moelab.lab.report import stated_tables
+
+    if TRAIN_STEP not in bundle.info.get("steps", {}):
+        return [f"{INFO} names no {TRAIN_STEP} step, whose run the report describes"]
+    run = bundle.step_dir(TRAIN_STEP)
+    summary_path = run / SUMMARY
+    expected = stated_tables(bundle.experiment, read_jsonl(run / METRICS),
+                             json.loads(summary_path.read_text()) if summary_path.is_file() else {})
+    problems = []
+    for name, parse in ((REPORT_MD, _markdown_tables), (REPORT_HTML, _html_tables)):
+        try:
+            stated = parse((bundle.folder / name).read_text())
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        for sid, rows in expected.items():
+            got = stated.get(sid, [])
+            bad = next((i for i in range(max(len(rows), len(got))) if i >= len(rows) or i >= len(got)
+                        or rows[i] != got[i]), None)
+            if bad is not None:
+                want = " | ".join(rows[bad]) if bad < len(rows) else "no row"
+                have = " | ".join(got[bad]) if bad < len(got) else "no row"
+                problems.append(f"{name}: the {sid} table does not state the bundled metrics' numbers: row "
+                                f"{bad} reads '{have}', the metrics give '{want}'")
+        if name == REPORT_MD:
+            problems += _check_report_head(bundle, stated.get("reproducibility", []))
+    return problems
+
+
+def _check_report_head(bundle: Bundle, rows: list[list[str]]) -> list[str]:
+    facts = {row[0]: row[1] for row in rows if len(row) == 2}
+    count = re.match(r"(\d+)", facts.get("ledger records when this report was written", ""))
+    head = facts.get("ledger head sha256")
+    links = {link["seq"]: link["hash"] for link in _read_records(bundle.folder / CHAIN)}
+    if count is None or head is None:
+        return [f"{REPORT_MD} states no ledger head (its reproducibility table lacks it)"]
+    problems, seq = [], int(count.group(1))
+    if seq in links and links[seq] != head:
+        problems.append(f"{REPORT_MD} names ledger head {head[:16]}... at record {seq}, which is not that record's "
+                        f"hash on the chain in {CHAIN}")
+    config = bundle.step_dir(TRAIN_STEP) / CONFIG
+    if config.is_file() and facts.get(f"{CONFIG} sha256") != sha256_file(config):
+        problems.append(f"{REPORT_MD} names another {CONFIG} sha256 than the bundled steps/{TRAIN_STEP}/{CONFIG}'s")
+    return problems
+
+
+def verify_bundle(folder: str | Path) -> BundleCheck:
+    """Check a bundle alone: every file's hash, the chain, the specs, the steps, the report's numbers."""
+    folder = Path(folder)
+    problems, digest, num_files = _check_manifest(folder)
+    try:
+        bundle = load_bundle(folder)
+    except ConfigError as e:
+        return BundleCheck(problems + [str(e)], digest, num_files, None, 0)
+    problems += _check_chain(folder, bundle.info)
+    problems += _check_specs(bundle)
+    problems += _check_steps(bundle)
+    problems += _check_report(bundle)
+    num_records = len(_read_records(folder / RECORDS))
+    return BundleCheck(problems, digest, num_files, bundle.info.get("ledger", {}).get("head_hash"), num_records)

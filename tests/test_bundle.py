@@ -1,0 +1,272 @@
+"""`moelab lab export / verify BUNDLE / reproduce`: one tiny experiment, run once in a git repository of its
+own (module fixture), bundled, checked, tampered with, and rerun.
+
+The repository is made here (a commit holding the spec and a copy of src/moelab), so the tests never
+depend on the state of the checkout they run from; a clone of it stands in for a newer checkout (the
+worktree path), a dirty one, and a repository without the commit.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import run_cli_redirected
+
+from moelab.lab.bundle import CHAIN, MANIFEST, RECORDS, verify_bundle
+from moelab.lab.ledger import open_ledger, records
+
+EXP = "bun-tiny"
+STEPS = 10
+SPEC = {
+    "id": EXP,
+    "title": "Bundle and reproduction test",
+    "question": "Does a bundle check out and rerun bitwise?",
+    "hypothesis": "The tiny preset's eval/mean after 10 steps is below 10 nats.",
+    "prediction": {"metric": "eval/mean", "expected": 4.0, "band": [None, 10.0],
+                   "decision_rule": "Confirmed if eval/mean at the last step is below 10."},
+    "owner": "tests",
+    # test_report's run config: one compile serves both files through the session's compilation cache.
+    "config": {"preset": "tiny", "overrides": {"train.steps": STEPS, "train.eval_every": 5, "train.log_every": 1,
+                                               "train.eval_batches": 1, "train.seed": 0}},
+}
+SRC = Path(__file__).resolve().parents[1] / "src" / "moelab"
+
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def cli(mp, args, cwd):
+    """`moelab ARGS` in-process from `cwd`; (exit code, stdout, stderr)."""
+    return run_cli_redirected(mp, args, cwd)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """(repository, ledger, bundle folder, monkeypatch): bun-tiny registered, run and exported at the repo's HEAD."""
+    repo = tmp_path_factory.mktemp("repo")
+    git(repo, "init", "-q")
+    git(repo, "config", "user.email", "tests@moelab")
+    git(repo, "config", "user.name", "tests")
+    (repo / "spec.yaml").write_text(yaml.safe_dump(SPEC))
+    shutil.copytree(SRC, repo / "src" / "moelab", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    git(repo, "add", "spec.yaml", "src")
+    git(repo, "commit", "-q", "-m", "the experiment")
+    ledger, bundle = repo / "lab.sqlite", repo / "bundle"
+    mp = pytest.MonkeyPatch()
+    for args in (["lab", "register", "spec.yaml"], ["lab", "run", EXP, "--root", "runs"],
+                 ["lab", "export", EXP, "--out", str(bundle)]):
+        code, _, err = cli(mp, [*args, "--ledger", str(ledger)], repo)
+        assert code == 0, err
+    yield repo, ledger, bundle, mp
+    mp.undo()
+
+
+def reseal(folder):
+    """Rewrite MANIFEST.sha256 over the files as they are now: what a forger who edits a file would do."""
+    lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.relative_to(folder).as_posix()}\n"
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    (folder / MANIFEST).write_text("".join(lines))
+
+
+def num_records(ledger):
+    return len(records(open_ledger(ledger)))
+
+
+def test_an_exported_bundle_verifies_alone_as_folder_and_tar_gz(lab, tmp_path):
+    repo, ledger, bundle, mp = lab
+    head = records(open_ledger(ledger))[-1].hash
+    info = json.loads((bundle / "bundle.json").read_text())
+    assert info["ledger"]["head_hash"] == head and set(info["steps"]) == {"train"}
+    assert info["steps"]["train"]["git_commit"] == git(repo, "rev-parse", "HEAD")
+    for name in ("spec/registered.yaml", RECORDS, CHAIN, "steps/train/config.yaml", "steps/train/metrics.jsonl",
+                 "steps/train/mixture_log.jsonl", "steps/train/summary.json", "report/report.md", "report/report.html"):
+        assert (bundle / name).is_file(), name
+    assert not (bundle / "steps/train/checkpoints").exists()
+    own = [json.loads(line) for line in (bundle / RECORDS).read_text().splitlines()]
+    assert {r["kind"] for r in own} >= {"experiment", "run", "metric", "mixture"} and all(r["key"] == EXP for r in own)
+    # Any sha256sum checks the manifest too.
+    assert subprocess.run(["sha256sum", "--quiet", "-c", MANIFEST], cwd=bundle).returncode == 0
+
+    code, out, err = cli(mp, ["lab", "verify", str(bundle)], tmp_path)  # from elsewhere: the bundle alone
+    assert code == 0, err
+    assert head in out and f"{len(own)} ledger records" in out
+    tar = tmp_path / "b.tar.gz"
+    code, out, err = cli(mp, ["lab", "export", EXP, "--out", str(tar), "--ledger", str(ledger)], tmp_path)
+    assert code == 0, err
+    code, out, err = cli(mp, ["lab", "verify", str(tar), "--json"], tmp_path)
+    assert code == 0 and json.loads(out)["ok"] and json.loads(out)["head_hash"] == head
+    code, _, err = cli(mp, ["lab", "export", EXP, "--out", str(tar), "--ledger", str(ledger)], tmp_path)
+    assert code == 2 and "already exists" in err
+
+
+def _edit_metric_record(folder):
+    """Change the loss in the experiment's first metric record: its stored hash no longer recomputes."""
+    lines = (folder / RECORDS).read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if json.loads(line)["kind"] == "metric")
+    row = json.loads(lines[i])
+    row["body"]["loss"] += 0.5
+    lines[i] = json.dumps(row)
+    (folder / RECORDS).write_text("\n".join(lines) + "\n")
+    return f"record {row['seq']} (metric '{EXP}') does not match its hash"
+
+
+def _cut_link(folder):
+    lines = (folder / CHAIN).read_text().splitlines()
+    seq = json.loads(lines[3])["seq"]
+    (folder / CHAIN).write_text("\n".join(lines[:3] + lines[4:]) + "\n")
+    return f"record {seq + 1} does not link to record {seq - 1}"
+
+
+def _change_reported_value(folder):
+    md = folder / "report/report.md"
+    text, n = re.subn(r"(\| eval/mean \| 4 \| \[-inf, 10\] \| )[0-9.]+", r"\g<1>3.21", md.read_text())
+    assert n == 1
+    md.write_text(text)
+    return "report/report.md: the hypothesis table does not state the bundled metrics' numbers"
+
+
+def _change_final_eval(folder):
+    path = folder / "steps/train/metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[-1]["eval/mean"] -= 1.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return "report/report.md: the hypothesis table does not state"
+
+
+def _change_config(folder):
+    path = folder / "steps/train/config.yaml"
+    text, n = re.subn(r"(?m)^  steps: 10$", "  steps: 11", path.read_text())
+    assert n == 1
+    path.write_text(text)
+    return "steps/train/config.yaml is not the config of step version"
+
+
+@pytest.mark.parametrize("tamper, resealed", [
+    pytest.param(lambda f: (f / "steps/train/metrics.jsonl").open("a").write("\n") and
+                 "steps/train/metrics.jsonl was changed", False, id="changed file"),
+    pytest.param(lambda f: (f / "steps/train/summary.json").unlink() or "steps/train/summary.json is missing", False,
+                 id="missing file"),
+    pytest.param(lambda f: (f / "steps/train/extra.txt").write_text("x") and "steps/train/extra.txt is not listed",
+                 False, id="added file"),
+    pytest.param(_edit_metric_record, True, id="edited record"),
+    pytest.param(_cut_link, True, id="cut chain"),
+    pytest.param(_change_reported_value, True, id="report number"),
+    pytest.param(_change_final_eval, True, id="metrics under the report"),
+    pytest.param(_change_config, True, id="config"),
+])
+def test_verify_names_what_was_tampered_with_and_exits_1(lab, tamper, resealed, tmp_path):
+    """A changed, missing or added file fails its manifest; a forger who also rewrites the manifest is caught
+    by the record's hash, the chain's links, the report's numbers or the step's version."""
+    _, _, bundle, mp = lab
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    expected = tamper(copy)
+    if resealed:
+        reseal(copy)
+    assert not verify_bundle(copy).ok
+    code, out, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
+    assert code == 1 and out == ""
+    assert expected in err, err
+    if resealed:
+        assert f"is not the one {MANIFEST} lists" not in err  # the manifest holds: a deeper check named it
+
+
+def test_reproduce_in_place_is_bitwise_recorded_and_in_the_report(lab):
+    repo, ledger, bundle, mp = lab
+    original = json.loads((bundle / "bundle.json").read_text())["steps"]["train"]["record"]
+    code, out, err = cli(mp, ["lab", "reproduce", EXP, "--ledger", str(ledger), "--json"], repo)  # by id
+    assert code == 0, err
+    result = json.loads(out)
+    train = result["steps"]["train"]
+    assert result["verdict"] == "reproduced" and result["where"] == "here" and result["same_platform"] is True
+    assert train["params"] == "equal" and train["until"] == STEPS
+    assert [s for s, _ in train["per_step"]] == list(range(1, STEPS + 1))  # log_every 1: every step compared
+    assert {v for _, v in train["per_step"]} == {"reproduced"}
+    record = records(open_ledger(ledger))[-1]
+    assert (record.seq, record.hash) == (result["record"]["seq"], result["record"]["hash"])
+    assert record.kind == "run" and record.key == EXP and record.body["event"] == "reproduction"
+    assert record.body["steps"]["train"]["original"] == original
+
+    from moelab.lab.report import write_report
+
+    text = (write_report(open_ledger(ledger), EXP, repo / "report").parent / "report.md").read_text()
+    assert re.search(rf"\| {record.seq} \| [^|]+ \| train \| {STEPS} of {STEPS} \| [0-9a-f]{{12}} \| same \| none \| "
+                     rf"reproduced \| equal \| — \| record {original['seq']} \|", text)
+
+
+def test_reproduce_with_a_changed_config_differs_at_the_first_step_naming_the_metric(lab):
+    repo, ledger, bundle, mp = lab
+    code, out, err = cli(mp, ["lab", "reproduce", str(bundle), "--ledger", str(ledger), "--steps-fraction", "0.2",
+                              "--set", "data.seed=1"], repo)
+    assert code == 1, err
+    row = r"train\s+│ differs\s+│ 2 of 10 steps │ not compared\s+│ step 1: loss [0-9.]+ recorded, [0-9.]+ now"
+    assert re.search(row, out), out
+    assert "train, per logged step: 1-2 differs" in out
+    body = records(open_ledger(ledger))[-1].body
+    assert body["overrides"] == {"data.seed": 1} and body["steps"]["train"]["first_difference"]["metric"] == "loss"
+
+
+def _clone(repo, where):
+    subprocess.run(["git", "clone", "-q", str(repo), str(where)], check=True)
+    git(where, "config", "user.email", "tests@moelab")
+    git(where, "config", "user.name", "tests")
+    return where
+
+
+def _tampered(bundle, where):
+    shutil.copytree(bundle, where)
+    (where / "steps/train/metrics.jsonl").open("a").write("\n")
+    return where
+
+
+@pytest.mark.parametrize("case, message", [
+    ("dirty", "has uncommitted changes to tracked files (spec.yaml)"),
+    ("unknown commit", "is not in the repository at"),
+    ("tampered bundle", "fails verification, so it cannot be reproduced: steps/train/metrics.jsonl was changed"),
+    ("bad fraction", "--steps-fraction=0.0 must be in (0, 1]"),
+    ("bad set", "train.nonsense"),
+])
+def test_reproduce_refuses_with_exit_2_and_records_nothing(lab, case, message, tmp_path):
+    repo, ledger, bundle, mp = lab
+    where, args = repo, []
+    if case == "dirty":
+        where = _clone(repo, tmp_path / "clone")
+        (where / "spec.yaml").write_text("edited: true\n")
+    elif case == "unknown commit":
+        where = tmp_path / "other"
+        where.mkdir()
+        git(where, "init", "-q")
+    elif case == "tampered bundle":
+        bundle = _tampered(bundle, tmp_path / "bundle")
+    elif case == "bad fraction":
+        args = ["--steps-fraction", "0"]
+    else:
+        args = ["--set", "train.nonsense=1"]
+    before = num_records(ledger)
+    code, out, err = cli(mp, ["lab", "reproduce", str(bundle), "--ledger", str(ledger), *args], where)
+    assert code == 2 and out == ""
+    assert message in " ".join(err.split()), err
+    assert num_records(ledger) == before
+
+
+def test_reproduce_at_an_older_commit_runs_it_in_a_worktree(lab, tmp_path):
+    """A newer checkout (a clone with one more commit) reruns the recorded commit in a temporary worktree, with
+    this environment's packages (--same-env; a fresh environment is the same path plus `pip install`)."""
+    repo, ledger, bundle, mp = lab
+    clone = _clone(repo, tmp_path / "clone")
+    (clone / "NEWS").write_text("a later commit\n")
+    git(clone, "add", "NEWS")
+    git(clone, "commit", "-q", "-m", "later")
+    code, out, err = cli(mp, ["lab", "reproduce", str(bundle), "--ledger", str(ledger), "--same-env",
+                              "--steps-fraction", "0.2", "--json"], clone)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["where"] == "worktree" and result["verdict"] == "reproduced"
+    assert result["steps"]["train"]["per_step"] == [[1, "reproduced"], [2, "reproduced"]]
+    assert git(clone, "worktree", "list").count("\n") == 0  # the temporary worktree is gone again
