@@ -1,18 +1,15 @@
 """The step runner (`lab.dag`): completed steps are skipped, a changed versioned field re-runs exactly what lies
-downstream, --dry-run predicts what runs, crashes never pass for success, a preempted step resumes in place, and
-Ray runs the same DAG."""
+downstream, --dry-run predicts what runs, crashes never pass for success, and a preempted step resumes in place.
+The same DAGs on Ray, on a cluster of two nodes: test_ray_cluster.py."""
 
 import fcntl
-import functools
 import json
 import re
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ from helpers import run_cli
 
 from moelab.errors import ConfigError, Preempted
 from moelab.lab.dag import FAILED, PREEMPTED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
-from moelab.lab.ledger import append, open_ledger, records, verify
 
 STEP_FILES = {"STATUS", "step.json"}  # what the runner writes before the step function starts
 
@@ -338,77 +334,3 @@ def test_lab_run_rejects_an_unknown_backend_with_exit_2(tmp_path, monkeypatch, c
     code, _, err = run_cli(["lab", "run", "x", "--backend", "slurm", "--ledger", str(tmp_path / "l.sqlite")],
                            monkeypatch, capsys)
     assert code == 2 and "--backend='slurm' is invalid: use one of local, ray" in err
-
-
-# ----------------------------------------------------------------------------------------------
-# Ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local cluster as small as Ray allows: 2 CPUs, no dashboard, an 80 MiB object store."""
-    import ray
-
-    # Ray starts its daemons with subprocess (fork + exec at once); JAX, loaded by an earlier test, warns
-    # about any fork. Nothing runs between the fork and the exec, so the warning does not apply.
-    warnings.filterwarnings("ignore", message="os.fork\\(\\) was called", category=RuntimeWarning)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20,
-             log_to_driver=False, configure_logging=False,
-             # workers import this module to unpickle the step functions
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                                                      os.environ.get("PYTHONPATH", "")])}})
-    yield ray
-    ray.shutdown()
-
-
-def record_event(ledger, event):
-    append(ledger, "run", "ray-test", event)
-
-
-def test_the_ray_backend_runs_a_three_step_dag_on_a_local_cluster(ray_cluster, tmp_path):
-    log, root = tmp_path / "log", tmp_path / "root"
-    ledger = open_ledger(tmp_path / "ledger.sqlite", create=True)
-    steps = diamond(log)[:3]  # a -> b -> c
-    outcomes = execute(steps, root, backend="ray", on_event=functools.partial(record_event, ledger))
-    assert [(o.name, o.action, o.status) for o in outcomes] == [(n, "ran", SUCCESS) for n in "abc"]
-    assert outcomes[-1].result == {"value": "c1(b1(a1()))"} and ran(log) == ["a", "b", "c"]
-    events = [r.body for r in records(ledger)]
-    assert [(e["step"], e["event"]) for e in events] == [(n, e) for n in "abc" for e in ("started", "finished")]
-    assert all(e["pid"] != os.getpid() for e in events), "the steps ran in Ray workers"
-    assert verify(ledger).ok, "workers appended to the ledger concurrently with the chain intact"
-    # Same versions and directories as the local backend: the local one now finds everything done.
-    assert [p.action for p in plan(steps, root)] == ["skip"] * 3
-    assert [o.action for o in execute(steps, root, backend="ray")] == ["skipped"] * 3
-
-
-def test_a_failing_step_on_ray_is_failed_and_blocks_what_depends_on_it(ray_cluster, tmp_path):
-    log, root = tmp_path / "log", tmp_path / "root"
-    outcomes = {o.name: o for o in execute(diamond(log, fail="a")[:3], root, backend="ray")}
-    assert outcomes["a"].status == FAILED and read_status(outcomes["a"].output_dir) == FAILED
-    assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == ["a"]
-
-
-def die(ctx):
-    (ctx.output_dir / "value.txt").write_text("half")
-    os._exit(9)
-
-
-def test_a_ray_worker_that_dies_inside_a_step_leaves_it_failed(ray_cluster, tmp_path):
-    log, root = tmp_path / "log", tmp_path / "root"
-    steps = [Step("a", die, {"x": versioned(1)}), *diamond(log)[1:3]]
-    outcomes = {o.name: o for o in execute(steps, root, backend="ray")}
-    assert outcomes["a"].status == FAILED and "worker lost" in outcomes["a"].error
-    assert read_status(outcomes["a"].output_dir) == FAILED
-    assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == []
-
-
-def test_a_preempted_step_on_ray_blocks_what_depends_on_it_and_resumes_in_place(ray_cluster, tmp_path):
-    log, root = tmp_path / "log", tmp_path / "root"
-    steps = with_preemptible_b(log)[:3]  # a -> b -> c
-    outcomes = {o.name: o for o in execute(steps, root, backend="ray")}
-    assert (outcomes["b"].status, outcomes["b"].preempted_at) == (PREEMPTED, 3)
-    assert read_status(outcomes["b"].output_dir) == PREEMPTED
-    assert outcomes["c"].action == "blocked" and ran(log) == ["a", "b"]
-    outcomes = {o.name: o for o in execute(steps, root, backend="ray")}
-    assert outcomes["b"].result == {"value": "b(resumed from 3)"} and outcomes["c"].status == SUCCESS
-    assert ran(log) == ["b", "c"] and not list(root.glob("b-*.failed-*"))

@@ -5,7 +5,7 @@
     moelab lab show demo-tiny --diff demo-tiny-lr                 # what two experiments differ in
     moelab lab amend demo-tiny experiments/demo-spec.yaml --reason "600 steps: 300 ended mid-decay"
     moelab lab run demo-tiny --dry-run                            # what would run, resume, wait or skip
-    moelab lab run demo-tiny --backend ray                        # RAY_ADDRESS joins a cluster
+    moelab lab run demo-tiny --backend ray --address 10.0.0.5:6379  # on a running Ray cluster
     moelab lab verify                                             # recompute the hash chain
     moelab lab verify --head 3f2a9c0e51b7                         # is a published head still in it?
     moelab lab report demo-tiny                                   # HTML + Markdown report of the run
@@ -38,9 +38,8 @@ from moelab.cli.bundle import export, reproduce, verify_bundle_command
 from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOpt, err_console, out_console,
                                print_problem)
 from moelab.cli.train import training_progress
-from moelab.errors import ConfigError
 from moelab.lab import compare, registry
-from moelab.lab.dag import BACKENDS, FAILED, PREEMPTED, SUCCESS
+from moelab.lab.dag import FAILED, PREEMPTED, SUCCESS, check_backend
 from moelab.lab.experiment import plan_experiment, run_experiment
 from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open_ledger, verify as verify_chain
 
@@ -218,8 +217,11 @@ def run(
     spec: Annotated[Optional[Path], typer.Option("--spec", help="The spec file to check against the record "
                                                               "(default: the one registered or last amended).")] = None,
     root: Annotated[Path, typer.Option("--root", help="Step outputs go to ROOT/ID/<step>-<hash8>.")] = Path("runs/lab"),
-    backend: Annotated[str, typer.Option("--backend", help="local, or ray (joins RAY_ADDRESS if set, else "
-                                                          "starts a local cluster).")] = "local",
+    backend: Annotated[str, typer.Option("--backend", help="local, or ray (joins --address or RAY_ADDRESS if set, "
+                                                          "else starts a local cluster).")] = "local",
+    address: Annotated[Optional[str], typer.Option("--address", show_default=False, help=(
+        "With --backend ray: the Ray cluster to run on, HOST:PORT as `ray start --head` printed it, e.g. "
+        "10.0.0.5:6379. Checked first: one that does not answer exits 2."))] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run, resume, wait or skip; "
                                                           "run nothing.")] = False,
     json_out: JsonOpt = False,
@@ -229,8 +231,7 @@ def run(
     publish_every: Annotated[float, typer.Option(help="Seconds between publications (with --publish).")] = 3600.0,
 ) -> None:
     """Execute a registered experiment's DAG; refused if its spec file was edited without an amendment."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
+    check_backend(backend, address)
     book = open_ledger(ledger)
     check_chain(book)  # a dry run too: on a broken chain nothing would run
     planned = plan_experiment(book, exp_id, root, spec)
@@ -254,7 +255,7 @@ def run(
 
         Publisher(root, publish, publish_every).check()  # unreachable or refused: exit 2 before anything runs
     outcomes = run_experiment(book, exp_id, root, spec, backend, progress=training_progress,
-                              publish=None if publish is None else (publish, publish_every))
+                              publish=None if publish is None else (publish, publish_every), address=address)
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))
     if publish is not None and all(o.status == SUCCESS for o in outcomes):

@@ -31,14 +31,24 @@ holds a consistent state to continue from. The next `execute` runs it again *in 
 directory, and `train` resumes from its newest checkpoint there. Steps downstream wait, as for a
 failure.
 
-Backends: `local` runs the steps one after another in this process; `ray` submits each as a Ray
-task whose arguments are its dependencies' results, so Ray runs independent steps in parallel.
-Ray joins the cluster at RAY_ADDRESS when that is set and otherwise starts a local one; it is
-imported only when that backend is chosen.
+Backends: `local` runs the steps one after another in this process; `ray` submits each step as a
+Ray task once its dependencies have succeeded, so independent steps run in parallel, on any node
+that holds the step's `resources` (one CPU by default; {"num_gpus": 1} only on a node with a GPU).
+Ray joins the cluster at `address` (HOST:PORT, what `ray start --head` printed), else at RAY_ADDRESS,
+else starts a local one; it is imported only when that backend is chosen. Before anything runs, an
+address that does not answer within a few seconds, and a step that no node of the cluster could
+hold (a GPU step on CPU-only nodes), are refused (ConfigError): Ray would hang or wait forever.
+
+A Ray worker that dies inside a step (a killed process, a lost node) is not the step's failure: the
+step is run again, up to MAX_ATTEMPTS times in all, each lost attempt and each retry an event. A
+`resumable` step (a training step: `train` continues from its newest sealed checkpoint) is retried
+in its own directory; any other one in a fresh directory, its partial output moved aside. Step
+directories must be on storage that every node sees (a shared filesystem).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fcntl
 import hashlib
@@ -53,12 +63,15 @@ from typing import Any, Callable, Mapping
 from moelab.errors import ConfigError, Preempted
 from moelab.lab.ledger import canonical_json
 
-__all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "Versioned", "versioned", "Step", "StepContext",
-           "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan", "execute"]
+__all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "MAX_ATTEMPTS", "Versioned", "versioned", "Step",
+           "StepContext", "PlannedStep", "StepOutcome", "order_steps", "step_versions", "read_status", "plan",
+           "check_backend", "check_ray_address", "execute"]
 
 RUNNING, SUCCESS, FAILED, PREEMPTED = "RUNNING", "SUCCESS", "FAILED", "PREEMPTED"
 BACKENDS = ("local", "ray")
 STATUS_FILE, INFO_FILE, RESULT_FILE = "STATUS", "step.json", "result.json"
+MAX_ATTEMPTS = 3  # runs of a step whose Ray worker keeps dying, in all (Ray's own default allows 3 retries)
+REACH_TIMEOUT_S = 3.0  # how long a Ray address may take to accept a connection before it is refused
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,9 @@ class Step:
     resources: Mapping[str, float] = field(default_factory=dict)
     """Ray only: what the task needs, e.g. {"num_gpus": 1}; Ray hides GPUs from tasks that ask for
     none. Defaults to one CPU. Not part of the version."""
+    resumable: bool = False
+    """The function continues from what its directory holds (as `train` does from its newest sealed
+    checkpoint), so a retry after a lost Ray worker runs in place. Not part of the version."""
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "._-" for c in self.name) or self.name[0] in "._-":
@@ -202,6 +218,7 @@ class _Job:
     output_dir: Path
     lock_path: Path
     dep_dirs: dict[str, Path]
+    attempt: int = 1  # > 1: a Ray retry after the worker of the previous attempt was lost
 
 
 def _jobs(steps: list[Step], root: str | Path) -> list[_Job]:
@@ -301,7 +318,7 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
     """Run one step unless it is done; the same code in this process (local) or a Ray worker (ray)."""
     name, out = job.step.name, job.output_dir
     base = {"step": name, "version": job.version, "output_dir": str(out), "host": socket.gethostname(),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "attempt": job.attempt}
 
     def emit(event: str, **fields: Any) -> None:
         if on_event is not None:
@@ -329,9 +346,12 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
             if status == SUCCESS:
                 emit("skipped", status=SUCCESS, waited=waited)
                 return outcome("skipped", SUCCESS, waited=waited)
-            if status == PREEMPTED:  # it left a state to continue from: run again in the same directory
-                previous = _read_info(out)
-                resumed = {"preemptions": [*previous.get("preemptions", []), previous.get("preempted_at")]}
+            previous = _read_info(out)
+            lost = job.attempt > 1 and job.step.resumable and status in (RUNNING, FAILED)  # its worker died
+            if status == PREEMPTED or lost:  # it left a state to continue from: run again in the same directory
+                key, value = ("lost_attempts", "attempt") if lost else ("preemptions", "preempted_at")
+                resumed = {k: previous[k] for k in ("preemptions", "lost_attempts") if k in previous}
+                resumed[key] = [*resumed.get(key, []), previous.get(value)]
                 moved = None
             else:
                 resumed = {}
@@ -344,7 +364,8 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
             _write_atomic(out / STATUS_FILE, RUNNING)
             try:
                 emit("started", status=RUNNING, moved_aside=moved,
-                     **({"resumed_at": resumed["preemptions"][-1]} if resumed else {}))
+                     **({"resumed_at": resumed["preemptions"][-1]} if status == PREEMPTED else {}),
+                     **({"in_place": True} if lost else {}))
                 result = job.step.fn(StepContext(name, job.version, out, config, dict(job.dep_dirs)))
                 if result is not None:
                     _write_atomic(out / RESULT_FILE, canonical_json(result))
@@ -385,14 +406,97 @@ def _import_ray():
     return ray
 
 
+def check_ray_address(address: str, source: str = "--address") -> None:
+    """ConfigError unless something answers at a Ray address, HOST:PORT or ray://HOST:PORT, within REACH_TIMEOUT_S.
+
+    `ray.init` keeps retrying an address where nothing listens for a long time; a TCP connect tells in seconds.
+    `source` names where the address came from (the option or RAY_ADDRESS) in the message.
+    """
+    if address in ("auto", "local"):  # Ray's own lookup of a cluster on this host, or a new one: nothing to dial
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{source}={address!r} is not a Ray address: use HOST:PORT, the address `ray start --head` "
+                          "printed, e.g. --address 10.0.0.5:6379.")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        why = e.strerror or f"no answer within {REACH_TIMEOUT_S:g} s"
+        raise ConfigError(f"the Ray cluster at {source}={address} does not answer ({why}). Start its head there "
+                          f"(`ray start --head --port {port}` on {host}) or pass the address that `ray start --head` "
+                          f"printed; `ray status --address {address}` checks it. Nothing was run or recorded."
+                          ) from None
+
+
+def _join_ray(ray, address: str | None) -> None:
+    """Connect this process to the cluster at `address`, else at RAY_ADDRESS, else to a new local one."""
+    source = "--address" if address else "RAY_ADDRESS"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:  # "local" starts a fresh cluster even when one from `ray start` runs on this host
+        ray.init(address="local", include_dashboard=False)
+        return
+    check_ray_address(address, source)
+    try:
+        ray.init(address=address)  # join that cluster: its workers need moelab installed
+    except ConnectionError as e:  # something answers there, but not a Ray head that lets this process in
+        raise ConfigError(f"could not join the Ray cluster at {source}={address}: {str(e).splitlines()[0]}. Check that "
+                          f"it is the address `ray start --head` printed and that the cluster runs Ray "
+                          f"{ray.__version__}, as this machine does. Nothing was run or recorded.") from None
+
+
 def _ray_options(resources: Mapping[str, float]) -> dict:
-    options = {"num_cpus": resources.get("num_cpus", 1), "max_retries": 0}  # a failed step is not re-run blindly
+    options = {"num_cpus": resources.get("num_cpus", 1), "max_retries": 0}  # retried here, on the record
     if "num_gpus" in resources:
         options["num_gpus"] = resources["num_gpus"]
     custom = {k: v for k, v in resources.items() if k not in ("num_cpus", "num_gpus")}
     if custom:
         options["resources"] = custom
     return options
+
+
+def _amounts(resources: Mapping[str, float]) -> str:
+    """{CPU: 1, GPU: 1, ...} without Ray's bookkeeping entries (memory, object store, node:<ip>)."""
+    shown = {k: v for k, v in resources.items()
+             if k not in ("memory", "object_store_memory") and not k.startswith("node:")}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
+
+
+def _check_placeable(jobs: list[_Job], nodes: list[dict]) -> None:
+    """ConfigError naming a step still to run that no live node could hold, before anything runs.
+
+    Ray would queue such a step forever (a GPU step on CPU-only nodes, say); running it on what there
+    is instead (a GPU step on a CPU) is never what was asked for. An autoscaling cluster must have
+    started the nodes first.
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    for job in jobs:
+        options = _ray_options(job.step.resources)
+        request = {"CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+        request = {k: v for k, v in request.items() if v}
+        if read_status(job.output_dir) == SUCCESS or any(
+                all(n["Resources"].get(k, 0) >= v for k, v in request.items()) for n in alive):
+            continue
+        have = "; ".join(f"{n['NodeManagerAddress']} {_amounts(n['Resources'])}" for n in alive) or "none alive"
+        raise ConfigError(f"step {job.step.name} asks Ray for {_amounts(request)}, but no node of the cluster has that "
+                          f"(nodes: {have}): it would wait forever, and moelab does not run it on less. Add a node "
+                          "that has it (e.g. `ray start --address HEAD:PORT --num-gpus 1` on a GPU machine) or change "
+                          "the experiment's resources (`moelab lab amend`). Nothing was run or recorded.")
+
+
+def _execute_on_ray(job: _Job, on_event: Callable[[dict], None] | None) -> StepOutcome:
+    """`_execute_job` in a Ray worker; each event says which node ran it and what Ray gave it."""
+    import ray
+
+    context = ray.get_runtime_context()
+    where = {"ray_node": context.get_node_id(), "ray_resources": context.get_assigned_resources()}
+    return _execute_job(job, None if on_event is None else (lambda event: on_event({**event, **where})))
+
+
+def _emit(on_event: Callable[[dict], None] | None, job: _Job, event: str, **fields: Any) -> None:
+    """An event the driver records for a step (its worker cannot: it is gone)."""
+    if on_event is not None:
+        on_event({"step": job.step.name, "version": job.version, "output_dir": str(job.output_dir),
+                  "attempt": job.attempt, "event": event, **fields})
 
 
 def _worker_lost(job: _Job, error: Exception, on_event: Callable[[dict], None] | None) -> StepOutcome:
@@ -404,48 +508,75 @@ def _worker_lost(job: _Job, error: Exception, on_event: Callable[[dict], None] |
         info = _read_info(job.output_dir)
         return StepOutcome(job.step.name, job.version, job.output_dir, "ran", PREEMPTED,
                            error=info.get("preempted"), preempted_at=info.get("preempted_at"))
-    message = f"worker lost: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    message = (f"worker lost on attempt {job.attempt} of {MAX_ATTEMPTS}: {type(error).__name__}: "
+               f"{str(error).splitlines()[0] if str(error) else ''}")
     if read_status(job.output_dir) == RUNNING and not _lock_held(job.lock_path):
         _write_atomic(job.output_dir / STATUS_FILE, FAILED)
-    if on_event is not None:
-        on_event({"step": job.step.name, "version": job.version, "output_dir": str(job.output_dir),
-                  "event": "failed", "status": FAILED, "error": message})
+    _emit(on_event, job, "failed", status=FAILED, worker_lost=True, error=message)
     return StepOutcome(job.step.name, job.version, job.output_dir, "ran", FAILED, error=message)
 
 
-def _execute_ray(jobs: list[_Job], on_event: Callable[[dict], None] | None) -> dict[str, StepOutcome]:
+def _run_on_ray(ray, jobs: list[_Job], on_event: Callable[[dict], None] | None) -> dict[str, StepOutcome]:
+    """Submit each step once its dependencies have succeeded; run a step whose worker died again."""
+    remote = ray.remote(_execute_on_ray)
+
+    def submit(job: _Job):
+        return remote.options(**_ray_options(job.step.resources)).remote(job, on_event)
+
+    outcomes: dict[str, StepOutcome] = {}
+    waiting, running = list(jobs), {}
+    while waiting or running:
+        for job in list(waiting):  # dependency order: a blocked step blocks its dependents in the same pass
+            if all(d in outcomes for d in job.step.deps):
+                waiting.remove(job)
+                blocked = [d for d in job.step.deps if outcomes[d].status != SUCCESS]
+                if blocked:
+                    outcomes[job.step.name] = StepOutcome(job.step.name, job.version, job.output_dir, "blocked", None,
+                                                          error=f"dependency {', '.join(blocked)} did not succeed")
+                else:
+                    running[submit(job)] = job
+        if not running:
+            continue
+        [done], _ = ray.wait(list(running), num_returns=1)
+        job = running.pop(done)
+        try:
+            outcomes[job.step.name] = ray.get(done)
+        except ray.exceptions.RayError as e:
+            lost = _worker_lost(job, e, on_event)
+            if lost.status == FAILED and job.attempt < MAX_ATTEMPTS:
+                retry = dataclasses.replace(job, attempt=job.attempt + 1)
+                _emit(on_event, retry, "retrying", in_place=job.step.resumable, reason=lost.error)
+                running[submit(retry)] = retry
+            else:
+                outcomes[job.step.name] = lost
+    return outcomes
+
+
+def _execute_ray(jobs: list[_Job], on_event: Callable[[dict], None] | None,
+                 address: str | None) -> dict[str, StepOutcome]:
     ray = _import_ray()
     started_here = not ray.is_initialized()
     if started_here:
-        address = os.environ.get("RAY_ADDRESS")
-        if address:
-            ray.init(address=address)  # join that cluster: its workers need moelab installed
-        else:  # "local" starts a fresh cluster even when one from `ray start` runs on this host
-            ray.init(address="local", include_dashboard=False)
+        _join_ray(ray, address)
     try:
-        remote = ray.remote(_execute_job)
-        refs: dict[str, Any] = {}
-        for job in jobs:  # dependency order: every dependency's ref exists before it is passed on
-            refs[job.step.name] = remote.options(**_ray_options(job.step.resources)).remote(
-                job, on_event, *[refs[d] for d in job.step.deps])
-        outcomes: dict[str, StepOutcome] = {}
-        for job in jobs:
-            try:
-                outcomes[job.step.name] = ray.get(refs[job.step.name])
-            except ray.exceptions.RayError as e:
-                if any(outcomes[d].status != SUCCESS for d in job.step.deps):
-                    outcomes[job.step.name] = StepOutcome(job.step.name, job.version, job.output_dir, "blocked",
-                                                          None, error="a dependency did not succeed")
-                else:
-                    outcomes[job.step.name] = _worker_lost(job, e, on_event)
-        return outcomes
+        _check_placeable(jobs, ray.nodes())
+        return _run_on_ray(ray, jobs, on_event)
     finally:
         if started_here:
             ray.shutdown()
 
 
+def check_backend(backend: str, address: str | None = None) -> None:
+    """ConfigError for an unknown backend, or a Ray address given to another backend."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
+    if address is not None and backend != "ray":
+        raise ConfigError(f"--address={address} joins a Ray cluster: add --backend ray (the {backend} backend runs "
+                          "every step in this process).")
+
+
 def execute(steps: list[Step], root: str | Path, backend: str = "local",
-            on_event: Callable[[dict], None] | None = None) -> list[StepOutcome]:
+            on_event: Callable[[dict], None] | None = None, address: str | None = None) -> list[StepOutcome]:
     """Run every step that is not SUCCESS yet, dependencies first; return one outcome per step.
 
     A failed step blocks the steps downstream of it; independent branches still run. A preempted
@@ -453,13 +584,13 @@ def execute(steps: list[Step], root: str | Path, backend: str = "local",
     further step ("not started"); the next `execute` resumes the PREEMPTED one in its own directory.
     `on_event` gets a dict for each step that starts, finishes, fails, is preempted or is skipped
     (with Ray, in the worker: it must be picklable, e.g. a `functools.partial` of a top-level
-    function, and so must each step's function).
+    function, and so must each step's function). `address` (ray only) is the cluster to join, HOST:PORT;
+    None: RAY_ADDRESS, else a new local cluster.
     """
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend={backend!r} is invalid: use one of {', '.join(BACKENDS)}.")
+    check_backend(backend, address)
     jobs = _jobs(steps, root)
     if backend == "ray":
-        outcomes = _execute_ray(jobs, on_event)
+        outcomes = _execute_ray(jobs, on_event, address)
     else:
         outcomes, preempted = {}, False
         for job in jobs:

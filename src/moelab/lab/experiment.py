@@ -82,7 +82,8 @@ def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
     and so is the content hash of each token store the data reads (`data.store`), which the path alone is not.
 
     With `predicted_by` (the name of a `fit_ladder` step among `deps`), each eval is checked against
-    that step's predicted band.
+    that step's predicted band. The step is `resumable`: on Ray, a retry after a lost worker continues
+    from the newest checkpoint in its directory.
     """
     run = to_dict(cfg)
     run_name = run.pop("name")
@@ -90,7 +91,7 @@ def training_step(name: str, cfg: RunConfig, deps: tuple[str, ...] = (),
     hashes = store_hashes(cfg.data)
     if hashes:  # the tokens themselves: a store prepared again from changed sources is a new version
         config["store_hashes"] = versioned(hashes)
-    return Step(name, run_training, config, deps, dict(resources or {}))
+    return Step(name, run_training, config, deps, dict(resources or {}), resumable=True)
 
 
 def fit_ladder(ctx: StepContext) -> dict:
@@ -143,14 +144,14 @@ def _record_run_event(ledger: Ledger, exp_id: str, provenance: dict, event: dict
 
 def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Path | None = None,
                    backend: str = "local", progress: Progress | None = None,
-                   publish: tuple[str, float] | None = None) -> list[StepOutcome]:
+                   publish: tuple[str, float] | None = None, address: str | None = None) -> list[StepOutcome]:
     """Execute a registered experiment's DAG under ROOT/<id>, each step's events on the ledger.
 
     On the local backend each training step runs under `progress(cfg)` (e.g. the CLI's progress
     bar); Ray workers train quietly. Refused (ConfigError) when the spec file (`spec_path`, by
     default the one it was registered or last amended from) differs from the version in force: amend
     it first. Refused (ChainBroken) when the ledger's chain does not check out, before any step
-    starts: its events would go on a broken chain.
+    starts: its events would go on a broken chain. `address` joins a Ray cluster (`lab.dag.execute`).
     """
     check_chain(ledger)
     experiment, steps = _experiment_dag(ledger, exp_id, spec_path)
@@ -167,4 +168,4 @@ def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str
     commit, dirty = git_state(Path.cwd())
     provenance = {"spec_hash": experiment.spec_hash, "git_commit": commit, "git_dirty": dirty, "backend": backend}
     on_event = functools.partial(_record_run_event, ledger, exp_id, provenance)
-    return execute(steps, Path(root) / exp_id, backend=backend, on_event=on_event)
+    return execute(steps, Path(root) / exp_id, backend=backend, on_event=on_event, address=address)
