@@ -4,6 +4,7 @@ The same DAGs on Ray, on a cluster of two nodes: test_ray_cluster.py."""
 
 import fcntl
 import json
+import os
 import re
 import signal
 import subprocess
@@ -146,6 +147,22 @@ def with_preemptible_b(log):
     """a -> b -> c and a -> d, where b is `preemptible`."""
     a, b, c, d = diamond(log)
     return [a, Step("b", preemptible, b.config, b.deps), c, d]
+
+
+def die(ctx):
+    """A step whose process dies (test_ray_cluster.py: its Ray workers import this module, which loads no JAX)."""
+    (ctx.output_dir / "value.txt").write_text("half")
+    os._exit(9)
+
+
+def die_until_allowed(ctx):
+    """A resumable step: it saves a "checkpoint", then its worker dies, until the file `allow` exists."""
+    checkpoint = ctx.output_dir / "checkpoint.txt"
+    if not checkpoint.exists():
+        checkpoint.write_text("3")
+    if not Path(ctx.config["allow"]).exists():
+        os._exit(9)
+    return {"value": f"resumed from {checkpoint.read_text()}"}
 
 
 def test_a_preempted_step_blocks_downstream_then_resumes_in_its_own_directory(tmp_path):

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from helpers import run_cli
-from test_executor import _tiny_spec, diamond, ran, with_preemptible_b
+from test_executor import _tiny_spec, diamond, die, die_until_allowed, ran, with_preemptible_b
 
 from moelab import presets
 from moelab.lab.dag import FAILED, PREEMPTED, SUCCESS, Step, execute, plan, read_status, versioned
@@ -289,25 +289,36 @@ def test_a_failing_step_on_ray_is_failed_and_blocks_what_depends_on_it(connected
     assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == ["a"]
 
 
-def die(ctx):
-    (ctx.output_dir / "value.txt").write_text("half")
-    os._exit(9)
-
-
-def test_a_step_whose_ray_worker_dies_every_time_is_tried_three_times_then_failed(connected, tmp_path):
-    """Not resumable: each retry starts in a fresh directory, the partial output of the lost attempt moved aside."""
-    log, root = tmp_path / "log", tmp_path / "root"
+def test_steps_whose_ray_worker_always_dies_fail_after_three_attempts_and_a_resumable_one_resumes_next_time(
+        connected, tmp_path):
+    """`a` is not resumable: each retry starts in a fresh directory, the lost attempt's output moved aside; what
+    depends on it is blocked. `r` is: retried in place, then left FAILED with its state kept, and the next run (here
+    the local backend's) continues from that state instead of starting over."""
+    log, root, allow = tmp_path / "log", tmp_path / "root", tmp_path / "allow"
     ledger = open_ledger(tmp_path / "ledger.sqlite", create=True)
-    steps = [Step("a", die, {"x": versioned(1)}), *diamond(log)[1:3]]
+    resumable = Step("r", die_until_allowed, {"allow": str(allow)}, resumable=True)
+    steps = [Step("a", die, {"x": versioned(1)}), *diamond(log)[1:3], resumable]
     outcomes = {o.name: o for o in execute(steps, root, "ray", functools.partial(record_event, ledger))}
-    events = [r.body for r in records(ledger)]
-    assert outcomes["a"].status == FAILED and "worker lost on attempt 3 of 3" in outcomes["a"].error
-    assert read_status(outcomes["a"].output_dir) == FAILED
+    for name in "ar":
+        assert outcomes[name].status == FAILED and "worker lost on attempt 3 of 3" in outcomes[name].error
+        assert read_status(outcomes[name].output_dir) == FAILED
+        events = [r.body for r in records(ledger) if r.body["step"] == name]
+        assert [(e["event"], e["attempt"]) for e in events] == [
+            ("started", 1), ("failed", 1), ("retrying", 2), ("started", 2), ("failed", 2), ("retrying", 3),
+            ("started", 3), ("failed", 3)]
+        assert all(e["in_place"] == (name == "r") for e in events if e["event"] == "retrying")
     assert [outcomes[n].action for n in "bc"] == ["blocked", "blocked"] and ran(log) == []
-    assert [(e["event"], e["attempt"]) for e in events] == [
-        ("started", 1), ("failed", 1), ("retrying", 2), ("started", 2), ("failed", 2), ("retrying", 3),
-        ("started", 3), ("failed", 3)]
-    assert not events[2]["in_place"] and events[3]["moved_aside"] and len(list(root.glob("a-*.failed-*"))) == 2
+    assert len(list(root.glob("a-*.failed-*"))) == 2 and not list(root.glob("r-*.failed-*"))
+
+    planned = {p.name: p for p in plan(steps, root)}
+    assert planned["a"].action == "run" and "moved aside" in planned["a"].reason
+    assert (planned["r"].action, planned["r"].reason) == ("resume", "its Ray worker was lost; runs again in place, "
+                                                                    "from its checkpoint")
+    allow.touch()
+    [outcome] = execute([resumable], root)
+    assert outcome.status == SUCCESS and outcome.result == {"value": "resumed from 3"}
+    assert json.loads((outcome.output_dir / "step.json").read_text())["lost_attempts"] == [1, 2, 3]
+    assert not list(root.glob("r-*.failed-*"))
 
 
 def test_a_preempted_step_on_ray_blocks_what_depends_on_it_and_resumes_in_place(connected, tmp_path):

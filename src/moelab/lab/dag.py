@@ -42,8 +42,9 @@ hold (a GPU step on CPU-only nodes), are refused (ConfigError): Ray would hang o
 A Ray worker that dies inside a step (a killed process, a lost node) is not the step's failure: the
 step is run again, up to MAX_ATTEMPTS times in all, each lost attempt and each retry an event. A
 `resumable` step (a training step: `train` continues from its newest sealed checkpoint) is retried
-in its own directory; any other one in a fresh directory, its partial output moved aside. Step
-directories must be on storage that every node sees (a shared filesystem).
+in its own directory, and so is one that lost its worker on every attempt, on the next `execute`;
+any other one in a fresh directory, its partial output moved aside. Step directories must be on
+storage that every node sees (a shared filesystem).
 """
 
 from __future__ import annotations
@@ -288,6 +289,8 @@ def _decide(job: _Job) -> tuple[str, str]:
         return "wait", f"RUNNING in {_holder(job.output_dir)}"
     if status == RUNNING:
         return "run", "crashed while RUNNING (no process holds its lock); partial output will be moved aside"
+    if status == FAILED and job.step.resumable and "worker_lost" in _read_info(job.output_dir):
+        return "resume", "its Ray worker was lost; runs again in place, from its checkpoint"
     if status == FAILED:
         return "run", "FAILED before; partial output will be moved aside"
     if status == PREEMPTED:
@@ -347,7 +350,9 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
                 emit("skipped", status=SUCCESS, waited=waited)
                 return outcome("skipped", SUCCESS, waited=waited)
             previous = _read_info(out)
-            lost = job.attempt > 1 and job.step.resumable and status in (RUNNING, FAILED)  # its worker died
+            # Its Ray worker died (in this run, or in the last one after every attempt): continue from its state.
+            lost = job.step.resumable and status in (RUNNING, FAILED) and (job.attempt > 1
+                                                                           or "worker_lost" in previous)
             if status == PREEMPTED or lost:  # it left a state to continue from: run again in the same directory
                 key, value = ("lost_attempts", "attempt") if lost else ("preemptions", "preempted_at")
                 resumed = {k: previous[k] for k in ("preemptions", "lost_attempts") if k in previous}
@@ -511,6 +516,8 @@ def _worker_lost(job: _Job, error: Exception, on_event: Callable[[dict], None] |
     message = (f"worker lost on attempt {job.attempt} of {MAX_ATTEMPTS}: {type(error).__name__}: "
                f"{str(error).splitlines()[0] if str(error) else ''}")
     if read_status(job.output_dir) == RUNNING and not _lock_held(job.lock_path):
+        _write_atomic(job.output_dir / INFO_FILE, canonical_json({**_read_info(job.output_dir), "finished_at": _now(),
+                                                                  "worker_lost": message}))
         _write_atomic(job.output_dir / STATUS_FILE, FAILED)
     _emit(on_event, job, "failed", status=FAILED, worker_lost=True, error=message)
     return StepOutcome(job.step.name, job.version, job.output_dir, "ran", FAILED, error=message)
