@@ -246,10 +246,14 @@ def test_lab_run_on_a_ray_address_that_does_not_answer_exits_2_and_records_nothi
     assert _kinds(tmp_path) == ["experiment"]
 
 
-def test_lab_run_with_an_address_but_not_the_ray_backend_is_a_usage_error(tmp_path, monkeypatch, capsys):
-    code, _, err = run_cli(["lab", "run", "x", "--address", "10.0.0.5:6379", "--ledger", str(tmp_path / "l.sqlite")],
-                           monkeypatch, capsys)
-    assert code == 2 and "--address=10.0.0.5:6379 joins a Ray cluster: add --backend ray" in err
+@pytest.mark.parametrize("args, message", [
+    (["--address", "10.0.0.5:6379"], "--address=10.0.0.5:6379 joins a Ray cluster: add --backend ray"),
+    (["--backend", "ray", "--address", "10.0.0.5"], "--address='10.0.0.5' is not a Ray address: use HOST:PORT"),
+])
+def test_lab_run_refuses_an_address_it_cannot_use_with_exit_2(args, message, tmp_path, monkeypatch, capsys):
+    lab = _registered(tmp_path, monkeypatch, capsys, "tiny-where")
+    code, _, err = run_cli(["lab", "run", "tiny-where", *args, *lab], monkeypatch, capsys)
+    assert code == 2 and message in err and _kinds(tmp_path) == ["experiment"]
 
 
 # ----------------------------------------------------------------------------------------------
