@@ -159,7 +159,7 @@ def test_rungs_take_the_recipes_lr_rule():
     recipe = LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=1.0)
     lrs = [cfg.train.lr for cfg in rungs_of(recipe)]
     assert lrs == pytest.approx([3e-3 * 64 / 32, 3e-3])
-    with pytest.raises(ConfigError, match=r"lr_exponent=-1 is invalid: must be a number in \[0, 2\]"):
+    with pytest.raises(ConfigError, match=r"lr_exponent=-1 is invalid: must be a number in \[0, 3\]"):
         LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=-1)
 
 
@@ -182,7 +182,7 @@ def test_fit_lr_rule_recovers_the_optimum_line_from_a_noisy_sweep():
     rule = fit_lr_rule(d, lr, loss)
     assert rule.k == pytest.approx(0.7, abs=0.05)  # 1e-3 noise on bowls 0.08 deep per e-fold moves k by ~0.02
     assert rule.lr(96) == pytest.approx(0.1 * 96 ** -0.7, rel=0.05)
-    assert rule.curvature == pytest.approx(0.08, rel=0.1) and rule.rmse < 2e-3
+    assert rule.curvature == pytest.approx([0.08] * 4, rel=0.2) and rule.rmse < 2e-3
 
 
 def test_fit_lr_rule_refuses_a_sweep_that_cannot_place_an_optimum():

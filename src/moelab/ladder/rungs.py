@@ -43,12 +43,15 @@ __all__ = ["LadderRecipe", "rung_lr", "lr_rule_text", "LrRule", "fit_lr_rule", "
            "check_monotone", "data_epochs", "repeated_data"]
 
 
+K_RANGE = (0.0, 3.0)  # lr_exponents a recipe takes and fit_lr_rule searches (muP's for Adam's hidden matrices: 1)
+
+
 @dataclass(frozen=True)
 class LadderRecipe:
     target: RunConfig
     shapes: tuple[tuple[int, int], ...]  # (d_model, num_layers) per rung, smallest first
     rung_batch_size: int | None = None  # None: the target's batch size
-    lr_exponent: float = 0.0  # rung LR = target LR * (target d_model / rung d_model) ** lr_exponent
+    lr_exponent: float = 0.0  # rung LR = target LR * (target d_model / rung d_model) ** lr_exponent, in K_RANGE
     rung_seeds: int = 1  # runs per rung shape, with train.seed 0 .. rung_seeds - 1
 
     def __post_init__(self) -> None:
@@ -62,9 +65,10 @@ class LadderRecipe:
             raise ConfigError(f"ladder rung_seeds={self.rung_seeds!r} is invalid: must be an integer >= 1 (runs per "
                               "rung shape).")
         exponent = self.lr_exponent
-        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent <= 2:
-            raise ConfigError(f"ladder lr_exponent={exponent!r} is invalid: must be a number in [0, 2] (0: the "
-                              "target's LR for every rung; 1: muP's 1/width rule for Adam).")
+        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent <= K_RANGE[1]:
+            raise ConfigError(f"ladder lr_exponent={exponent!r} is invalid: must be a number in [0, {K_RANGE[1]:g}] "
+                              "(0: the target's LR for every rung; 1: muP's 1/width rule for Adam; fit it with "
+                              "benchmarks/lr_sweep.py).")
 
 
 def _whole(value) -> bool:
@@ -93,7 +97,7 @@ class LrRule:
 
     c: float
     k: float  # what a recipe stores as lr_exponent
-    curvature: float  # b in loss = m_d + b * ln(lr / lr*(d))^2: the loss a factor e off the optimum costs
+    curvature: tuple[float, ...]  # b_d per width, smallest first: the loss a factor e off lr*(d) costs there
     rmse: float  # of the fitted bowls over the sweep's points
 
     def lr(self, d_model: float) -> float:
@@ -101,15 +105,17 @@ class LrRule:
 
 
 def fit_lr_rule(d_model, lr, loss) -> LrRule:
-    """Fit lr*(d) = c * d^-k to a per-width LR sweep: one bowl in log LR per width, centred on the rule.
+    """Fit lr*(d) = c * d^-k to a per-width LR sweep: a bowl in log LR per width, centred on the rule.
 
-        loss(d, lr) = m_d + b * (ln lr - ln c + k * ln d)^2
+        loss(d, lr) = m_d + b_d * (ln lr - ln c + k * ln d)^2
 
-    with a level m_d per width, one curvature b, least squares over every point. Sharing b and the
-    line lets a width whose grid barely brackets its optimum lean on the others (a parabola per width
-    would put such a width's optimum anywhere). Given (ln c, k), m_d and b are linear and solved
-    exactly (variable projection, as in `fit`); the search runs over k in [0, 2] (the range
-    `lr_exponent` accepts) and ln lr* at the widths' geometric mean, a grid then Nelder-Mead.
+    with a level m_d and a curvature b_d per width (a small model's loss in a short run is far more
+    sensitive to its LR than a larger one's), least squares over each width's best LR and its two
+    neighbours on the grid (a parabola in log LR is a local shape: a factor 8 below the optimum a
+    short run has not left its first plateau). Sharing the line lets a width whose three points
+    barely bracket its optimum lean on the others. Given (ln c, k), m_d and b_d
+    are linear and solved exactly (variable projection, as in `fit`); the search runs over k in
+    K_RANGE and ln lr* at the widths' geometric mean, a grid then Nelder-Mead.
 
     >>> d, lr = [32] * 3 + [64] * 3, [1e-3, 2e-3, 4e-3, 5e-4, 1e-3, 2e-3]
     >>> loss = [2 + 0.1 * math.log(x * w / 0.064) ** 2 for w, x in zip(d, lr)]   # lr*(d) = 0.064 / d
@@ -124,17 +130,21 @@ def fit_lr_rule(d_model, lr, loss) -> LrRule:
     widths = np.unique(d)
     if len(widths) < 2 or any((d == w).sum() < 3 for w in widths):
         raise ConfigError(f"an LR rule needs at least 2 widths with 3 or more LRs each; got widths {d.tolist()}.")
+    d, x, y = (np.concatenate(v) for v in zip(*(_around_best(d[d == w], x[d == w], y[d == w]) for w in widths)))
     levels = (d[:, None] == widths[None, :]).astype(float)
     log_ref = np.log(widths).mean()
 
     def solve(theta) -> tuple[np.ndarray, float]:
         log_lr_ref, k = theta
-        design = np.column_stack([levels, (np.log(x) - log_lr_ref + k * (np.log(d) - log_ref)) ** 2])
+        offset = (np.log(x) - log_lr_ref + k * (np.log(d) - log_ref)) ** 2
+        design = np.column_stack([levels, levels * offset[:, None]])
         coef = np.linalg.lstsq(design, y, rcond=None)[0]
-        bowl = coef[-1] > 0 and 0 <= k <= 2 and abs(log_lr_ref - np.log(x).mean()) < 5  # opening down: no optimum
+        bowl = ((coef[len(widths):] > 0).all() and K_RANGE[0] <= k <= K_RANGE[1]  # opening down: no optimum
+                and abs(log_lr_ref - np.log(x).mean()) < 5)  # nor one e^5 away from every LR tried
         return coef, float(np.sum((design @ coef - y) ** 2)) if bowl else np.inf
 
-    grid = [(a, k) for a in np.linspace(np.log(x.min()) - 1, np.log(x.max()) + 1, 61) for k in np.linspace(0, 2, 41)]
+    grid = [(a, k) for a in np.linspace(np.log(x.min()) - 1, np.log(x.max()) + 1, 61)
+            for k in np.linspace(*K_RANGE, 61)]
     start = min(grid, key=lambda theta: solve(theta)[1])
     if not np.isfinite(solve(start)[1]):
         raise ConfigError("the LR sweep's losses do not rise on both sides of any LR rule: widen the LR grid so "
@@ -142,14 +152,22 @@ def fit_lr_rule(d_model, lr, loss) -> LrRule:
     best = minimize(lambda theta: solve(theta)[1], np.array(start), method="Nelder-Mead",
                     options={"xatol": 1e-6, "fatol": 1e-12}).x
     coef, sse = solve(best)
-    rule = LrRule(c=float(np.exp(best[0] + best[1] * log_ref)), k=float(best[1]), curvature=float(coef[-1]),
-                  rmse=float(np.sqrt(sse / len(y))))
+    rule = LrRule(c=float(np.exp(best[0] + best[1] * log_ref)), k=float(best[1]),
+                  curvature=tuple(float(b) for b in coef[len(widths):]), rmse=float(np.sqrt(sse / len(y))))
     outside = [f"d={w:g}: {rule.lr(w):.3g} not in [{x[d == w].min():.3g}, {x[d == w].max():.3g}]" for w in widths
                if not x[d == w].min() / 1.01 <= rule.lr(w) <= x[d == w].max() * 1.01]
     if outside:  # a bowl's centre beyond the points is a guess from its curvature, not a measured optimum
         raise ConfigError(f"the fitted LR rule puts optima outside their width's LR grid ({'; '.join(outside)}): "
                           "widen the LR grid so that each width's best LR has a worse one on either side.")
     return rule
+
+
+def _around_best(d, x, y):
+    """A width's best LR and its two neighbours (the 3 lowest or highest LRs when the best is at an end)."""
+    order = x.argsort()
+    best = int(y[order].argmin())
+    keep = order[min(max(best - 1, 0), len(x) - 3):][:3]
+    return d[keep], x[keep], y[keep]
 
 
 def rungs_of(recipe: LadderRecipe) -> list[RunConfig]:
