@@ -55,7 +55,9 @@ def lab(tmp_path_factory):
     git(repo, "config", "user.name", "tests")
     (repo / "spec.yaml").write_text(yaml.safe_dump(SPEC))
     shutil.copytree(SRC, repo / "src" / "moelab", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    git(repo, "add", "spec.yaml", "src")
+    for name in ("pyproject.toml", "README.md"):  # what `pip install -e` of the commit needs
+        shutil.copyfile(SRC.parents[1] / name, repo / name)
+    git(repo, "add", "spec.yaml", "src", "pyproject.toml", "README.md")
     git(repo, "commit", "-q", "-m", "the experiment")
     ledger, bundle = repo / "lab.sqlite", repo / "bundle"
     mp = pytest.MonkeyPatch()
@@ -105,6 +107,18 @@ def test_an_exported_bundle_verifies_alone_as_folder_and_tar_gz(lab, tmp_path):
     assert code == 2 and "already exists" in err
 
 
+def test_export_refuses_an_unrun_experiment_or_unknown_id_with_exit_2_and_writes_nothing(lab, tmp_path):
+    repo, ledger, _, mp = lab
+    spec = tmp_path / "unrun.yaml"
+    spec.write_text(yaml.safe_dump({**SPEC, "id": "bun-unrun"}))
+    assert cli(mp, ["lab", "register", str(spec), "--ledger", str(ledger)], repo)[0] == 0
+    for exp_id, message in (("bun-unrun", "has no finished training step"), ("nope", "unknown experiment id 'nope'")):
+        code, out, err = cli(mp, ["lab", "export", exp_id, "--ledger", str(ledger), "--out", str(tmp_path / "b")],
+                             repo)
+        assert code == 2 and message in " ".join(err.split()), err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["unrun.yaml"]  # no bundle, no temporary folder
+
+
 def _edit_metric_record(folder):
     """Change the loss in the experiment's first metric record: its stored hash no longer recomputes."""
     lines = (folder / RECORDS).read_text().splitlines()
@@ -114,6 +128,14 @@ def _edit_metric_record(folder):
     lines[i] = json.dumps(row)
     (folder / RECORDS).write_text("\n".join(lines) + "\n")
     return f"record {row['seq']} (metric '{EXP}') does not match its hash"
+
+
+def _drop_record(folder):
+    lines = (folder / RECORDS).read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if json.loads(line)["body"].get("event") == "started")
+    seq = json.loads(lines[i])["seq"]
+    (folder / RECORDS).write_text("\n".join(lines[:i] + lines[i + 1:]) + "\n")
+    return f"record {seq} (run '{EXP}') is one of the experiment's, but {RECORDS} does not hold it"
 
 
 def _cut_link(folder):
@@ -155,6 +177,7 @@ def _change_config(folder):
     pytest.param(lambda f: (f / "steps/train/extra.txt").write_text("x") and "steps/train/extra.txt is not listed",
                  False, id="added file"),
     pytest.param(_edit_metric_record, True, id="edited record"),
+    pytest.param(_drop_record, True, id="dropped record"),
     pytest.param(_cut_link, True, id="cut chain"),
     pytest.param(_change_reported_value, True, id="report number"),
     pytest.param(_change_final_eval, True, id="metrics under the report"),
@@ -207,7 +230,7 @@ def test_reproduce_with_a_changed_config_differs_at_the_first_step_naming_the_me
     assert code == 1, err
     row = r"train\s+│ differs\s+│ 2 of 10 steps │ not compared\s+│ step 1: loss [0-9.]+ recorded, [0-9.]+ now"
     assert re.search(row, out), out
-    assert "train, per logged step: 1-2 differs" in out
+    assert "train (2 logged steps): 1-2 differs" in out
     body = records(open_ledger(ledger))[-1].body
     assert body["overrides"] == {"data.seed": 1} and body["steps"]["train"]["first_difference"]["metric"] == "loss"
 
@@ -255,18 +278,53 @@ def test_reproduce_refuses_with_exit_2_and_records_nothing(lab, case, message, t
     assert num_records(ledger) == before
 
 
-def test_reproduce_at_an_older_commit_runs_it_in_a_worktree(lab, tmp_path):
+@pytest.mark.parametrize("env", [pytest.param(["--same-env"], id="same-env"),
+                                 pytest.param([], marks=pytest.mark.slow, id="own-env")])
+def test_reproduce_at_an_older_commit_runs_it_in_a_worktree(lab, env, tmp_path):
     """A newer checkout (a clone with one more commit) reruns the recorded commit in a temporary worktree, with
-    this environment's packages (--same-env; a fresh environment is the same path plus `pip install`)."""
+    this environment's packages (--same-env) or its own (a venv and `pip install -e`: minutes, so `slow`)."""
     repo, ledger, bundle, mp = lab
     clone = _clone(repo, tmp_path / "clone")
     (clone / "NEWS").write_text("a later commit\n")
     git(clone, "add", "NEWS")
     git(clone, "commit", "-q", "-m", "later")
-    code, out, err = cli(mp, ["lab", "reproduce", str(bundle), "--ledger", str(ledger), "--same-env",
+    code, out, err = cli(mp, ["lab", "reproduce", str(bundle), "--ledger", str(ledger), *env,
                               "--steps-fraction", "0.2", "--json"], clone)
     assert code == 0, err
     result = json.loads(out)
     assert result["where"] == "worktree" and result["verdict"] == "reproduced"
     assert result["steps"]["train"]["per_step"] == [[1, "reproduced"], [2, "reproduced"]]
     assert git(clone, "worktree", "list").count("\n") == 0  # the temporary worktree is gone again
+
+
+def _run_folder(folder, losses, grad_norms, params_sha256="a" * 64):
+    folder.mkdir()
+    rows = [{"step": i + 1, "loss": loss, "grad_norm": g, "tokens_per_s": 100.0 * i}
+            for i, (loss, g) in enumerate(zip(losses, grad_norms))]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "summary.json").write_text(json.dumps({"params_sha256": params_sha256}))
+    return folder
+
+
+@pytest.mark.parametrize("losses, grads, params, run_sd, verdict, first", [
+    ([3.0, 2.5, 2.0], [1.0, 0.9, 0.8], "a", None, "reproduced", None),
+    ([3.0, 2.5, 2.001], [1.0, 0.91, 0.8], "b", 0.01, "within noise", (2, "grad_norm")),
+    ([3.0, 2.5, 2.001], [1.0, 0.9, 0.8], "a", None, "differs", (3, "loss")),
+    ([3.0, 2.6, 2.0], [1.0, 0.91, 0.8], "a", 0.01, "differs", (2, "loss")),  # 0.1 > 1.96 * sqrt(2) * 0.01
+    ([3.001, 2.6, 2.0], [1.0, 0.9, 0.8], "a", 0.01, "differs", (2, "loss")),  # step 1 only within noise
+    ([3.0, 2.5, 2.0], [1.0, 0.9, 0.8], "b", None, "differs", (3, "params_sha256")),
+])
+def test_compare_runs_reads_bitwise_then_the_stated_noise_then_differs(losses, grads, params, run_sd, verdict,
+                                                                        first, tmp_path):
+    """Throughput never counts; a loss within 1.96 * sqrt(2) * run_sd is within noise (other metrics have no
+    stated noise and do not decide); the first step with the run's verdict is named, losses before other metrics."""
+    from moelab.lab.reproduce import compare_runs
+
+    recorded = _run_folder(tmp_path / "recorded", [3.0, 2.5, 2.0], [1.0, 0.9, 0.8])
+    rerun = _run_folder(tmp_path / "rerun", losses, grads, params * 64)
+    result = compare_runs("train", recorded, rerun, 3, 3, run_sd)
+    assert result.verdict == verdict
+    got = result.first_difference
+    assert (None if got is None else (got["step"], got["metric"])) == first
+    partial = compare_runs("train", recorded, rerun, 2, 3, run_sd)  # steps 1-2 only; no weights to compare
+    assert [s for s, _ in partial.per_step] == [1, 2] and partial.params == "not compared"

@@ -141,7 +141,7 @@ def reproduce(
                                                     f"recorded, {first['reproduced']} now")
         out_console.print(table)
         for c in result.steps:
-            out_console.print(f"{c.name}, per logged step: {spans(c)}", highlight=False, soft_wrap=True)
+            out_console.print(f"{c.name} ({len(c.per_step)} logged steps): {spans(c)}", highlight=False, soft_wrap=True)
         platform = {None: "the record states no platform", True: "same platform as recorded",
                     False: "another platform than recorded"}[result.same_platform]
         noise = "no run-to-run noise stated" if result.run_sd is None else f"stated run-to-run sd {result.run_sd:.4g}"

@@ -11,7 +11,8 @@ A bundle is a folder (or the same folder as a `.tar.gz`):
     spec/registered.yaml   the spec as registered; spec/amendment-N.yaml each amended version
     ledger/records.jsonl   every ledger record of the experiment (registration, amendments, runs, metrics,
                            incidents, mixture log, samples), each with its prev_hash and hash
-    ledger/chain.jsonl     {seq, prev_hash, hash} of every record from the experiment's first to the head
+    ledger/chain.jsonl     {seq, kind, key, prev_hash, hash} of every record from the experiment's first to the
+                           head
     steps/<step>/          each step's files: config.yaml (the resolved config), step.json, metrics.jsonl,
                            incidents.jsonl, mixture_log.jsonl, summary.json, prediction.csv + .json, ...
                            (checkpoints stay behind); store-<i>-manifest.json: the token stores it read
@@ -20,11 +21,13 @@ A bundle is a folder (or the same folder as a `.tar.gz`):
 
 How much of the ledger's chain a bundle can prove. The experiment's records are only some of the
 ledger's, interleaved with other experiments'. Each record travels whole, so its hash recomputes
-(`ledger.record_hash`); the other records travel as links alone ({seq, prev_hash, hash}, content
-withheld), so `verify_bundle` checks that the experiment's records sit, in order, on one unbroken
-line of hashes that ends at the ledger head the bundle states. What it cannot check alone is that
-the withheld records hash right, or what came before the experiment's first record: whoever holds
-the ledger proves both with `moelab lab verify --ledger L --head HEAD`.
+(`ledger.record_hash`); the other records travel as links alone (seq, kind, key, prev_hash, hash; the
+body withheld), so `verify_bundle` checks that the experiment's records sit, in order, on one unbroken
+line of hashes that ends at the ledger head the bundle states, and that every link keyed to the
+experiment has its record in the bundle. What it cannot check alone is that the withheld records hash
+right (so a link relabelled to another key would hide a dropped record), or what came before the
+experiment's first record: whoever holds the ledger proves both, by finding the bundle's head in it
+(`moelab lab verify --ledger L --head HEAD`) and comparing the links.
 
 `verify_bundle` also recomputes each step's version from its step.json (as `lab.dag` does), checks
 that each training step's config.yaml is the config that version names, and that the numbers the
@@ -53,6 +56,7 @@ import yaml
 from moelab.data.store import read_manifest, sha256_file
 from moelab.errors import ConfigError, DataError
 from moelab.lab.dag import SUCCESS, Step, read_status, step_versions, versioned
+from moelab.lab.experiment import LEDGER_EXPORT
 from moelab.lab.ledger import Ledger, Record, canonical_json, record_hash, records, verify
 from moelab.lab.registry import Experiment, load_experiment, spec_hash
 from moelab.train.outputs import CONFIG, DATA, METRICS, SUMMARY, read_jsonl
@@ -66,7 +70,9 @@ RECORDS, CHAIN = "ledger/records.jsonl", "ledger/chain.jsonl"
 TAR_SUFFIX = ".tar.gz"
 REPORT_MD, REPORT_HTML = "report/report.md", "report/report.html"
 TRAIN_STEP = "train"  # the step whose run the report describes (report.TRAIN_STEP)
-_SKIPPED_ENTRIES = ("checkpoints", "wandb", "report")  # a step's folders that stay behind: large, or rewritten
+# What stays behind: checkpoints and W&B (large), the report (rewritten at export), and a published run's export
+# of the whole ledger (other experiments' records; the bundle holds this one's).
+_SKIPPED_ENTRIES = ("checkpoints", "wandb", "report", LEDGER_EXPORT)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +148,7 @@ def _fill(folder: Path, ledger: Ledger, exp_id: str) -> dict:
     (folder / "ledger").mkdir()
     (folder / RECORDS).write_text("".join(_record_line(r) for r in own))
     (folder / CHAIN).write_text("".join(
-        canonical_json({"seq": r.seq, "prev_hash": r.prev_hash, "hash": r.hash}) + "\n"
+        canonical_json({"seq": r.seq, "kind": r.kind, "key": r.key, "prev_hash": r.prev_hash, "hash": r.hash}) + "\n"
         for r in records(ledger) if r.seq >= own[0].seq))
     (folder / "spec").mkdir()
     for name, record in _spec_files(experiment).items():
@@ -324,6 +330,10 @@ def _check_chain(folder: Path, info: dict) -> list[str]:
     if not links or links[-1].get("hash") != head.get("head_hash") or links[-1].get("seq") != head.get("num_records"):
         problems.append(f"{CHAIN} does not end at the ledger head {INFO} states (record {head.get('num_records')}, "
                         f"sha256 {str(head.get('head_hash'))[:16]}...)")
+    kept = {row.get("seq") for row in own}
+    problems += [f"{CHAIN}: record {link.get('seq')} ({link.get('kind')} {link.get('key')!r}) is one of the "
+                 f"experiment's, but {RECORDS} does not hold it" for link in links
+                 if link.get("key") == info.get("experiment") and link.get("seq") not in kept]
     for row in own:
         seq, what = row.get("seq"), f"{RECORDS}: record {row.get('seq')} ({row.get('kind')} {row.get('key')!r})"
         try:

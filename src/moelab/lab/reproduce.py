@@ -33,6 +33,7 @@ original run record of each step; the experiment's report lists it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -89,7 +90,7 @@ class StepComparison:
     until: int  # the steps rerun: 1..until of the run's `steps`
     steps: int
     per_step: list[tuple[int, str]]  # (logged step, verdict), in order
-    first_difference: dict | None = None  # {step, metric, recorded, reproduced}: the first step not bitwise
+    first_difference: dict | None = None  # {step, metric, recorded, reproduced}: the first step with `verdict`
     params: str = "not compared"  # "equal", "differs", or "not compared" (a partial rerun, or no hash recorded)
 
     def to_json(self) -> dict:
@@ -123,14 +124,14 @@ def compare_runs(name: str, recorded: Path, reproduced: Path, until: int, steps:
     """Compare a rerun (folder `reproduced`) with its record (folder `recorded`) over steps 1..until."""
     tolerance = None if run_sd is None else NOISE_FACTOR * run_sd
     rows = {r["step"]: r for r in read_jsonl(reproduced / METRICS)}
-    per_step, first = [], None
+    per_step, differences = [], {}
     for row in read_jsonl(recorded / METRICS):
         if row["step"] > until:
             break
         verdict, difference = _compare_row(row, rows.get(row["step"]), tolerance)
         per_step.append((row["step"], verdict))
-        if first is None and difference is not None:
-            first = {"step": row["step"], **difference}
+        if difference is not None:
+            differences.setdefault(verdict, {"step": row["step"], **difference})
     params = "not compared"
     if until == steps:
         want = json.loads((recorded / SUMMARY).read_text()).get("params_sha256") if (recorded / SUMMARY).is_file() \
@@ -140,6 +141,7 @@ def compare_runs(name: str, recorded: Path, reproduced: Path, until: int, steps:
         if want and got:
             params = "equal" if want == got else "differs"
     verdict = max((v for _, v in per_step), key=_RANK.get, default=REPRODUCED)
+    first = differences.get(verdict)  # the first step of the run's verdict: where it diverged, or left bitwise
     if params == "differs" and verdict == REPRODUCED:  # every logged number equal, the weights not
         verdict, first = DIFFERS, {"step": steps, "metric": "params_sha256", "recorded": want, "reproduced": got}
     return StepComparison(name, verdict, until, steps, per_step, first, params)
@@ -201,8 +203,6 @@ class _StopHere(Exception):
 
 def _rerun_here(cfg: RunConfig, out: Path, until: int, progress: Progress | None) -> None:
     """Train `cfg` into `out` in this process, stopping after step `until` (the same schedule as the whole run)."""
-    import contextlib
-
     from moelab.train.loop import Hooks, run_platform, train
 
     def stop(done: int) -> None:
@@ -409,7 +409,7 @@ def reproduce(folder: str | Path, ledger_path: str | Path, steps_fraction: float
     same_platform = None if None in recorded_platforms else all(p == platform for p in recorded_platforms)
     verdict = max((c.verdict for c in comparisons), key=_RANK.get)
     body = {"event": "reproduction", "verdict": verdict, "steps_fraction": steps_fraction, "overrides": overrides,
-            "git_commit": commit, "ran": where if not same_env else "worktree, this environment",
+            "git_commit": commit, "ran": "worktree, this environment" if where == "worktree" and same_env else where,
             "platform": platform, "same_platform": same_platform, "run_sd": run_sd,
             "bundle": {"manifest_sha256": check.manifest_sha256, "ledger_head": check.head_hash},
             "steps": {c.name: {**c.to_json(), "original": bundle.info["steps"][c.name]["record"]}
