@@ -328,3 +328,19 @@ def test_compare_runs_reads_bitwise_then_the_stated_noise_then_differs(losses, g
     assert (None if got is None else (got["step"], got["metric"])) == first
     partial = compare_runs("train", recorded, rerun, 2, 3, run_sd)  # steps 1-2 only; no weights to compare
     assert [s for s, _ in partial.per_step] == [1, 2] and partial.params == "not compared"
+
+
+def test_a_rerun_on_other_tokens_than_the_record_is_refused(tmp_path):
+    """The record trained on a token store (its step's versioned store hash); a config that now reads none (or
+    another content) is refused by name before anything runs."""
+    from moelab import presets
+    from moelab.errors import ConfigError
+    from moelab.lab.bundle import Bundle
+    from moelab.lab.reproduce import _check_stores
+
+    (tmp_path / "steps/train").mkdir(parents=True)
+    (tmp_path / "steps/train/step.json").write_text(json.dumps({"versioned": {"store_hashes": {"code": "ab12"}}}))
+    bundle = Bundle(tmp_path, {"steps": {"train": {"dir": "steps/train"}}}, None)
+    with pytest.raises(ConfigError, match="step train trained domain code on token store content ab12, but its "
+                                          r"config now reads none \(built in memory\)"):
+        _check_stores(bundle, "train", presets.get("tiny"))

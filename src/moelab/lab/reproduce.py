@@ -50,6 +50,7 @@ import yaml
 
 from moelab import presets
 from moelab.config import CheckpointConfig, RunConfig, dump_yaml, from_dict, to_dict
+from moelab.data.store import store_hashes
 from moelab.errors import ConfigError
 from moelab.lab.bundle import Bundle, load_bundle, verify_bundle
 from moelab.lab.experiment import Progress
@@ -328,6 +329,21 @@ def _config(bundle: Bundle, name: str, overrides: dict[str, Any]) -> RunConfig:
     return dataclasses.replace(cfg, checkpoint=CheckpointConfig(every=None, keep_last=1))
 
 
+def _check_stores(bundle: Bundle, name: str, cfg: RunConfig) -> None:
+    """Refuse to rerun a step on other tokens: each token store its config reads must hold the content the
+    record trained on (the step's versioned store hashes). DataError when a store is gone."""
+    step = json.loads((bundle.step_dir(name) / "step.json").read_text())
+    recorded = step.get("versioned", {}).get("store_hashes") or {}
+    now = store_hashes(cfg.data)
+    changed = sorted(d for d in set(recorded) | set(now) if recorded.get(d) != now.get(d))
+    if changed:
+        d, in_memory = changed[0], "none (built in memory)"
+        raise ConfigError(f"step {name} trained domain {d} on token store content {recorded.get(d) or in_memory}, but "
+                          f"its config now reads {now.get(d) or in_memory}: the rerun would see other tokens. Put the "
+                          "recorded store back where the config's data.store points (its manifest is in the bundle, "
+                          f"steps/{name}/store-*-manifest.json). Nothing was run or recorded.")
+
+
 def _check_ledger(ledger_path: Path, bundle: Bundle):
     """The ledger the reproduction goes on, checked before anything runs: intact, and not holding another
     experiment under the bundle's id."""
@@ -380,6 +396,8 @@ def reproduce(folder: str | Path, ledger_path: str | Path, steps_fraction: float
             raise ConfigError(f"--steps-fraction {steps_fraction:g} reruns {until[n]} step(s) of {n}, which logged "
                               f"no metrics before step {logged[0] if logged else '?'}: nothing to compare. Raise "
                               f"it to at least {(logged[0] if logged else 1) / configs[n].train.steps:.3g}.")
+    for n in names:
+        _check_stores(bundle, n, configs[n])
     commit = _commit_of(bundle, names)
     where = locate_code(repo, commit)
     book = _check_ledger(Path(ledger_path), bundle)
