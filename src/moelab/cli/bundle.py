@@ -102,7 +102,7 @@ def _bundle_of(source: str, ledger: Path) -> Iterator[Path]:
 
 
 def reproduce(
-    source: Annotated[str, typer.Argument(metavar="BUNDLE_OR_ID", show_default=False, help=(
+    bundle_or_id: Annotated[str, typer.Argument(show_default=False, help=(
         "A bundle (folder or .tar.gz from `moelab lab export`), or an experiment id on --ledger."))],
     steps_fraction: Annotated[float, typer.Option("--steps-fraction", help=(
         "Rerun the first F of each run's steps (same schedule, stopped early), e.g. 0.1: a cheap check."))] = 1.0,
@@ -123,7 +123,7 @@ def reproduce(
     from moelab.lab.reproduce import DIFFERS, reproduce as rerun, spans
 
     overrides = parse_overrides(sets or [])
-    with _bundle_of(source, ledger) as folder:
+    with _bundle_of(bundle_or_id, ledger) as folder:
         result = rerun(folder, ledger, steps_fraction, overrides, same_env=same_env,
                        progress=None if json_out else training_progress)
     if json_out:

@@ -163,7 +163,7 @@ def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) ->
 
 @lab_app.command()
 def verify(
-    bundle: Annotated[Optional[Path], typer.Argument(show_default=False, help=(
+    bundle: Annotated[Optional[Path], typer.Argument(metavar="BUNDLE", show_default=False, help=(
         "A bundle from `moelab lab export` (folder or .tar.gz) to check alone, instead of the ledger."))] = None,
     ledger: LedgerOpt = DEFAULT_LEDGER,
     head: Annotated[Optional[str], typer.Option("--head", show_default=False, help=(
