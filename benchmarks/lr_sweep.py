@@ -80,6 +80,8 @@ def main() -> None:
         "benchmark": "lr_sweep", "recipe": args.recipe, "fraction": args.fraction, "target_lr": base,
         "points": points, "best_grid_lr": best,
         "rule": {"c": rule.c, "k": rule.k, "curvature": rule.curvature, "rmse": rule.rmse},
+        "optimum_per_width": dict(zip(sorted(best), rule.optima)),  # each width's own parabola: the scatter
+        "rule_per_width": {d: rule.lr(d) for d in sorted(best)},
         "optimum_at_target_width": rule.lr(d_target),
         "target_lr_over_optimum": base / rule.lr(d_target),
         "recipe_line": f"lr_exponent: {rule.k:.2f}",
