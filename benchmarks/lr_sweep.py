@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,11 +36,10 @@ def sweep_point(recipe, d_model: int, num_layers: int, lr: float, fraction: floa
                   train=replace(rung.train, lr=lr, steps=steps, warmup_steps=max(1, steps // EVALS_PER_RUN),
                                 eval_every=steps))
     run_dir = out / cfg.name
-    start = time.perf_counter()
     if not (run_dir / SUMMARY).is_file():
         train(cfg, run_dir)
     return {"d_model": d_model, "num_layers": num_layers, "lr": lr, "steps": steps,
-            "loss": read_summary(run_dir)["eval_mean"], "seconds": round(time.perf_counter() - start, 1)}
+            "loss": read_summary(run_dir)["eval_mean"]}
 
 
 def main() -> None:

@@ -177,7 +177,7 @@ def test_fit_lr_rule_recovers_the_optimum_line_from_a_noisy_sweep():
     """Bowls around lr*(d) = 0.1 * d^-0.7 at levels falling with width, 1e-3 noise, grids not centred on it."""
     rng = np.random.default_rng(0)
     d = np.repeat([32, 48, 64, 96], 4)
-    lr = np.tile([1e-3, 2e-3, 4e-3, 8e-3], 4) * np.repeat([1.5, 1.0, 1.0, 0.75], 4)
+    lr = np.tile([1e-3, 2e-3, 4e-3, 8e-3], 4) * np.repeat([2.0, 1.5, 1.0, 0.75], 4)
     loss = 3 - 0.5 * np.log(d) + 0.08 * np.log(lr / (0.1 * d ** -0.7)) ** 2 + rng.normal(0, 1e-3, d.size)
     rule = fit_lr_rule(d, lr, loss)
     assert rule.k == pytest.approx(0.7, abs=0.05)  # 1e-3 noise on bowls 0.08 deep per e-fold moves k by ~0.02
@@ -188,8 +188,8 @@ def test_fit_lr_rule_recovers_the_optimum_line_from_a_noisy_sweep():
 def test_fit_lr_rule_refuses_a_sweep_that_cannot_place_an_optimum():
     with pytest.raises(ConfigError, match="at least 2 widths with 3 or more LRs"):
         fit_lr_rule([32, 32, 64, 64, 64], [1e-3, 2e-3] + [1e-3, 2e-3, 4e-3], [2, 1.9, 1.8, 1.7, 1.6])
-    falling = [3 - 0.1 * np.log(x) for x in [1e-3, 2e-3, 4e-3]]  # lower at every larger LR: no bowl
-    with pytest.raises(ConfigError, match="widen the LR grid"):
+    falling = [3 - 0.1 * np.log(x) for x in [1e-3, 2e-3, 4e-3]]  # lower at every larger LR: no optimum
+    with pytest.raises(ConfigError, match="best LR of d=32, d=64 is at an end of its LR grid"):
         fit_lr_rule([32] * 3 + [64] * 3, [1e-3, 2e-3, 4e-3] * 2, falling + falling)
 
 

@@ -99,6 +99,7 @@ class LrRule:
     k: float  # what a recipe stores as lr_exponent
     curvature: tuple[float, ...]  # b_d per width, smallest first: the loss a factor e off lr*(d) costs there
     rmse: float  # of the fitted bowls over the sweep's points
+    optima: tuple[float, ...]  # each width's own optimum (its 3 points' parabola), to see the scatter about the rule
 
     def lr(self, d_model: float) -> float:
         return self.c * d_model ** -self.k
@@ -131,6 +132,10 @@ def fit_lr_rule(d_model, lr, loss) -> LrRule:
     if len(widths) < 2 or any((d == w).sum() < 3 for w in widths):
         raise ConfigError(f"an LR rule needs at least 2 widths with 3 or more LRs each; got widths {d.tolist()}.")
     d, x, y = (np.concatenate(v) for v in zip(*(_around_best(d[d == w], x[d == w], y[d == w]) for w in widths)))
+    edge = [f"d={w:g}" for w in widths if y[d == w].argmin() != 1]  # _around_best puts the best in the middle
+    if edge:  # an optimum beyond the points would be a guess from the bowl's curvature, not a measurement
+        raise ConfigError(f"the best LR of {', '.join(edge)} is at an end of its LR grid: add LRs beyond it so "
+                          "that each width's best LR has a worse one on either side.")
     levels = (d[:, None] == widths[None, :]).astype(float)
     log_ref = np.log(widths).mean()
 
@@ -146,19 +151,13 @@ def fit_lr_rule(d_model, lr, loss) -> LrRule:
     grid = [(a, k) for a in np.linspace(np.log(x.min()) - 1, np.log(x.max()) + 1, 61)
             for k in np.linspace(*K_RANGE, 61)]
     start = min(grid, key=lambda theta: solve(theta)[1])
-    if not np.isfinite(solve(start)[1]):
-        raise ConfigError("the LR sweep's losses do not rise on both sides of any LR rule: widen the LR grid so "
-                          "that each width's best LR has a worse one on either side.")
     best = minimize(lambda theta: solve(theta)[1], np.array(start), method="Nelder-Mead",
                     options={"xatol": 1e-6, "fatol": 1e-12}).x
     coef, sse = solve(best)
+    vertices = [np.polyfit(np.log(x[d == w]), y[d == w], 2) for w in widths]
     rule = LrRule(c=float(np.exp(best[0] + best[1] * log_ref)), k=float(best[1]),
-                  curvature=tuple(float(b) for b in coef[len(widths):]), rmse=float(np.sqrt(sse / len(y))))
-    outside = [f"d={w:g}: {rule.lr(w):.3g} not in [{x[d == w].min():.3g}, {x[d == w].max():.3g}]" for w in widths
-               if not x[d == w].min() / 1.01 <= rule.lr(w) <= x[d == w].max() * 1.01]
-    if outside:  # a bowl's centre beyond the points is a guess from its curvature, not a measured optimum
-        raise ConfigError(f"the fitted LR rule puts optima outside their width's LR grid ({'; '.join(outside)}): "
-                          "widen the LR grid so that each width's best LR has a worse one on either side.")
+                  curvature=tuple(float(b) for b in coef[len(widths):]), rmse=float(np.sqrt(sse / len(y))),
+                  optima=tuple(float(np.exp(-p[1] / (2 * p[0]))) for p in vertices))
     return rule
 
 
