@@ -394,3 +394,19 @@ def test_lab_show_diff_names_what_two_experiments_differ_in(lab, tmp_path, monke
     assert code == 0 and "Same spec, same resolved config, same outcome." in out
     code, _, err = run_cli(["lab", "show", "rep-tiny", "--diff", "nope", "--ledger", str(ledger)], monkeypatch, capsys)
     assert code == 2 and "nope" in err
+
+
+def test_a_ray_worker_lost_and_retried_is_named_under_reproducibility(lab, tmp_path, monkeypatch, capsys):
+    ledger = tmp_path / "ledger.sqlite"
+    shutil.copy(lab[0], ledger)
+    lost = append(open_ledger(ledger), "run", "rep-tiny", {"step": "train", "event": "failed", "attempt": 1,
+                                                           "worker_lost": True, "error": "worker lost on attempt 1"})
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    repro = section((tmp_path / "r" / "report.html").read_text(), "reproducibility")
+    assert f"train attempt 1 (ledger record {lost.seq})" in repro
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(lab[0]), "--out", str(tmp_path / "r0")],
+                           monkeypatch, capsys)
+    assert code == 0 and "the step retried</td><td>never" in section((tmp_path / "r0" / "report.html").read_text(),
+                                                                      "reproducibility").replace("\n", "")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import csv
-import hashlib
 import html
 import io
 import json
@@ -34,6 +33,7 @@ matplotlib.use("Agg")  # headless: no display, and no backend guessing on a CI b
 import matplotlib.pyplot as plt
 import numpy as np
 
+from moelab.data.store import sha256_file
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import Experiment, Prediction, load_experiment
@@ -471,10 +471,6 @@ def _samples(out: Path) -> Section:
     return sec
 
 
-def _sha256_file(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-
-
 def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: Ledger,
                      report_dir: Path | None = None) -> Section:
     """Versions and hashes, and the commands that rerun and check the run, written from the run's own
@@ -487,13 +483,17 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
     # A preempted run resumes in its own directory: each stop is one row of the ledger with that directory.
     stops = [f"step {r.body.get('preempted_at')} (ledger record {r.seq})" for r in experiment.runs
              if r.body.get("event") == "preempted" and r.body.get("output_dir") == str(out)]
+    # A Ray worker that died inside any step (a rung too): the driver put each lost attempt on the record.
+    lost = [f"{r.body.get('step')} attempt {r.body.get('attempt')} (ledger record {r.seq})" for r in experiment.runs
+            if r.body.get("worker_lost")]
     sec.table(["what", "value"], [
         ["git commit of the run", commit],
         ["spec sha256", run_body.get("spec_hash") or experiment.spec_hash],
         ["step version (config hash)", run_body.get("version")],
-        [f"{CONFIG} sha256", _sha256_file(out / CONFIG)],
+        [f"{CONFIG} sha256", sha256_file(out / CONFIG) if (out / CONFIG).is_file() else None],
         ["output directory", _relative(out, report_dir)],
         ["preempted, then resumed from the checkpoint at", ", ".join(stops) or "never (one uninterrupted run)"],
+        ["a worker lost (Ray), the step retried", ", ".join(lost) or "never"],
         ["ledger", _relative(ledger.path, report_dir)],
         ["ledger records when this report was written", f"{chain.num_records} ({chain.status})"],
         ["ledger head sha256", chain.head_hash],
