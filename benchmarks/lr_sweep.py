@@ -9,10 +9,12 @@ recipe's rung batch size), trains at each LR of a factor-2 grid around the targe
 whose best LR is at an end of its grid gets the next LR beyond it (at most `--extend` times), so the
 optimum is bracketed. `rungs.fit_lr_rule` then fits lr*(d) = c * d^-k to all points; k is what the
 recipe stores as `lr_exponent` (rung LR = target LR * (d_target / d)^k, so every rung sits at the
-same ratio to its own optimum as the target does to its). The reduced budget moves every width's
-optimum by about the same factor (each width keeps the ladder's tokens per parameter, scaled by
-`--fraction`), so k transfers; c is the optimum at the reduced budget, reported, not stored.
-Resumable: finished points are reused.
+same ratio to its own optimum as the target does to its). Reading k off a reduced budget assumes
+the budget moves every width's optimum by one factor (each width keeps the ladder's tokens per
+parameter, scaled by `--fraction`). On our CPU recipes it did not quite hold: short runs of small
+widths want much larger LRs, so the rule gave the small rungs more LR than suits them at the full
+budget (docs/scaling-ladder.md, "LR transfer across rungs"); a larger `--fraction` costs more and
+assumes less. Resumable: finished points are reused.
 """
 
 from __future__ import annotations

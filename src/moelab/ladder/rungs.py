@@ -124,7 +124,7 @@ def fit_lr_rule(d_model, lr, loss) -> LrRule:
     >>> round(rule.k, 3), round(rule.lr(32), 5)
     (1.0, 0.002)
     """
-    import numpy as np
+    import numpy as np  # here, not at the top: `ladder plan` imports this module and need not pay for scipy
     from scipy.optimize import minimize
 
     d, x, y = (np.asarray(v, dtype=float) for v in (d_model, lr, loss))
