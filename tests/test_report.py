@@ -251,7 +251,7 @@ def test_a_run_preempted_and_resumed_in_place_names_each_stop_under_reproducibil
                            monkeypatch, capsys)
     assert code == 0, err
     repro = section((tmp_path / "r" / "report.html").read_text(), "reproducibility")
-    assert f"step 4 (ledger record {stop.seq})" in repro and "never" not in repro
+    assert f"step 4 (ledger record {stop.seq})" in repro and "never (one uninterrupted run)" not in repro
 
 
 def test_the_report_of_a_run_still_preempted_exits_2_saying_how_to_resume_it(lab, tmp_path, monkeypatch, capsys):
