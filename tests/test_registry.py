@@ -77,15 +77,27 @@ def test_registration_stores_the_spec_its_hash_the_git_commit_and_a_time(lab):
 
 
 def test_git_commit_is_the_head_of_the_repository_holding_the_spec(tmp_path, monkeypatch, capsys):
-    """The spec lives in this project's repository, so its HEAD is what a registration must record."""
-    head = REPO / ".git"
-    if not head.exists():
-        pytest.skip("needs the project's git checkout")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    code, out, _ = run_cli(["lab", "register", str(DEMO_SPEC), "--json", "--ledger", str(tmp_path / "l.sqlite")],
+    """A registration records the HEAD of the repository the spec lives in (here a fresh one, so the test
+    needs no checkout of this project), and whether tracked files had uncommitted changes."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "tests@moelab")
+    git("config", "user.name", "tests")
+    spec = repo / "experiments" / DEMO_SPEC.name
+    spec.parent.mkdir()
+    spec.write_text(DEMO_SPEC.read_text())
+    git("add", ".")
+    git("commit", "-q", "-m", "spec")
+    commit = git("rev-parse", "HEAD")
+    code, out, _ = run_cli(["lab", "register", str(spec), "--json", "--ledger", str(tmp_path / "l.sqlite")],
                            monkeypatch, capsys)
-    assert code == 0 and json.loads(out)["registration"]["body"]["git_commit"] == commit
+    body = json.loads(out)["registration"]["body"]
+    assert code == 0 and body["git_commit"] == commit and body["git_dirty"] is False
 
 
 def test_markdown_is_issue_ready_with_question_hypothesis_prediction_and_provenance(lab):
