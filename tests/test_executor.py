@@ -291,6 +291,7 @@ def test_lab_run_trains_a_registered_config_and_puts_every_step_on_the_ledger(tm
     assert run_dir.parent == tmp_path / "runs" / "lab" / "tiny-smoke" and run_dir.name.startswith("train-")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["step"] == 2 and outcome["result"] == summary
+    assert (run_dir / "wandb" / "moelab_run_id").is_file()  # a ledger run is tracked in W&B (offline), no --publish needed
 
     code, out, _ = run_cli(["lab", "run", "tiny-smoke", "--json", *lab], monkeypatch, capsys)
     assert code == 0 and json.loads(out)[0]["action"] == "skipped"

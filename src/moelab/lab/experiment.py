@@ -46,11 +46,11 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
     sinks: list[Sink] = []
     if ctx.config.get("ledger"):  # a registered experiment's run: metrics, mixture, samples on its ledger
         sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
+        if tracking.wandb_available():
+            sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
     if ctx.config.get("publish"):  # the run's files and the ledger's export, to a bucket on a cadence
         sinks.append(publisher(ctx.config["ledger"], ctx.output_dir, ctx.config["publish"],
                                ctx.config["publish_every"]))
-        if tracking.wandb_available():
-            sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
     watchers: list[Watcher] = []
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
         from moelab.ladder.predict import load_on_track, sidecar_path
