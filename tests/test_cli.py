@@ -167,3 +167,10 @@ def test_help_shows_flags_without_a_value_placeholder(command, monkeypatch, caps
 def test_a_value_of_the_wrong_type_is_repeated_in_the_usage_error(args, shown, monkeypatch, capsys):
     code, _, err = run_cli(args, monkeypatch, capsys)
     assert code == 2 and shown in err and "Traceback" not in err
+
+
+def test_the_command_starts_without_matplotlib_or_scipy():
+    """Every `moelab` command pays for what `moelab.cli` imports; plots and fits load when a command needs them."""
+    code = "import sys, moelab.cli.main\nprint(sorted(m for m in ('matplotlib', 'scipy', 'jax') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -38,7 +38,7 @@ from moelab.cli.bundle import export, reproduce, verify_bundle_command
 from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOpt, err_console, out_console,
                                print_problem)
 from moelab.cli.train import training_progress
-from moelab.lab import compare, registry
+from moelab.lab import registry
 from moelab.lab.dag import FAILED, PREEMPTED, SUCCESS, check_backend
 from moelab.lab.experiment import plan_experiment, run_experiment
 from moelab.lab.ledger import ChainCheck, Record, check_chain, find_record, open_ledger, verify as verify_chain
@@ -152,6 +152,8 @@ def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOp
 
 
 def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) -> None:
+    from moelab.lab import compare  # reads outcomes through the report: matplotlib only when asked
+
     result = compare.compare_experiments(book, exp_id, other)
     if json_out:
         print(json.dumps(compare.to_json(result)))

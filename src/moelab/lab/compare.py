@@ -21,7 +21,7 @@ from moelab.config import changed_fields, to_dict
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger
 from moelab.lab.registry import Experiment, load_experiment, resolve_run_config
-from moelab.lab.report import experiment_verdict
+from moelab.lab.report import REPRODUCTION, experiment_verdict
 
 __all__ = ["ExperimentDiff", "compare_experiments", "resolved_recipe", "outcome", "to_markdown", "to_json"]
 
@@ -57,12 +57,11 @@ def resolved_recipe(experiment: Experiment) -> dict:
 
 def outcome(ledger: Ledger, experiment: Experiment) -> dict[str, Any]:
     """Verdict and observed value of the prediction, each step's last event, and the commits it ran at."""
-    last_event: dict[str, Any] = {}
-    for r in experiment.runs:
-        last_event[str(r.body.get("step"))] = r.body.get("event")
-    commits = sorted({str(r.body.get("git_commit"))[:12] for r in experiment.runs if r.body.get("git_commit")})
+    runs = [r for r in experiment.runs if r.body.get("event") != REPRODUCTION]  # a rerun is no step of the run
+    last_event = {str(r.body.get("step")): r.body.get("event") for r in runs}
+    commits = sorted({str(r.body.get("git_commit"))[:12] for r in runs if r.body.get("git_commit")})
     try:
-        result, value = experiment_verdict(ledger, experiment.id)
+        result, value = experiment_verdict(experiment)
     except ConfigError:  # no finished run (yet), or its directory is gone
         result, value = _NOT_RUN, None
     return {"verdict": result, experiment.spec.prediction.metric: value, "amendments": len(experiment.amendments),

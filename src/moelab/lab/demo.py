@@ -51,6 +51,7 @@ def run_demo(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Pat
     if any(o.status != SUCCESS for o in outcomes):
         return DemoResult(outcomes)
     report = write_report(ledger, exp_id)
-    verdict, value = experiment_verdict(ledger, exp_id)
-    metric = load_experiment(ledger, exp_id).spec.prediction.metric
+    experiment = load_experiment(ledger, exp_id)
+    verdict, value = experiment_verdict(experiment)
+    metric = experiment.spec.prediction.metric
     return DemoResult(outcomes, report, verdict, metric, value)

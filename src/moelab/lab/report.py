@@ -41,7 +41,7 @@ from moelab.ladder.predict import sidecar_path
 from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
                                  read_summary)
 
-__all__ = ["SECTION_IDS", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "stated_tables",
+__all__ = ["SECTION_IDS", "REPRODUCTION", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "verdict", "experiment_verdict", "stated_tables",
            "find_run_dir", "router_load_heatmap", "Section", "build_sections", "render_html", "render_markdown",
            "write_report"]
 
@@ -49,6 +49,7 @@ CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
 SECTION_IDS = ("hypothesis", "loss-curve", "per-domain-eval", "mixture", "router", "norms-incidents", "amendments",
                "samples", "reproducibility")
 TRAIN_STEP = "train"  # the step whose output directory holds the run (experiment.experiment_steps)
+REPRODUCTION = "reproduction"  # the run event `moelab lab reproduce` records
 MAX_SAMPLE_EVALS = 3  # samples shown for the first, middle and last eval that has any
 
 
@@ -512,7 +513,7 @@ def _reproducibility(experiment: Experiment, out: Path, run_body: dict, ledger: 
 def _reproductions(sec: Section, experiment: Experiment) -> None:
     """The experiment's reruns by `moelab lab reproduce` (ledger records of event `reproduction`), each step's
     verdict and first difference; the record names the original run records it was compared with."""
-    done = [r for r in experiment.runs if r.body.get("event") == "reproduction"]
+    done = [r for r in experiment.runs if r.body.get("event") == REPRODUCTION]
     if not done:
         sec.p(f"Not reproduced yet: `moelab lab export {experiment.id} --out BUNDLE`, then `moelab lab reproduce "
               "BUNDLE` reruns it at its commit and compares.")
@@ -542,9 +543,8 @@ def stated_tables(experiment: Experiment, metrics: list[dict], summary: dict) ->
     return {s.id: [row for part in s.parts if part[0] == "table" for row in (part[1], *part[2])] for s in sections}
 
 
-def experiment_verdict(ledger: Ledger, exp_id: str) -> tuple[str, float | None]:
+def experiment_verdict(experiment: Experiment) -> tuple[str, float | None]:
     """(verdict, observed value) of a run experiment's prediction: what the report's first section states."""
-    experiment = load_experiment(ledger, exp_id)
     out, _ = find_run_dir(experiment)
     value, _ = _final_value(read_jsonl(out / METRICS), read_summary(out), experiment.spec.prediction.metric)
     return verdict(experiment.spec.prediction, value), value

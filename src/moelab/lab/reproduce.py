@@ -55,6 +55,7 @@ from moelab.errors import ConfigError
 from moelab.lab.bundle import Bundle, load_bundle, verify_bundle
 from moelab.lab.experiment import Progress
 from moelab.lab.ledger import Record, append, check_chain, open_ledger, records
+from moelab.lab.report import REPRODUCTION
 from moelab.train.outputs import CONFIG, METRICS, SUMMARY, read_jsonl
 
 __all__ = ["REPRODUCED", "WITHIN_NOISE", "DIFFERS", "NOISE_FACTOR", "StepComparison", "Reproduction",
@@ -426,7 +427,7 @@ def reproduce(folder: str | Path, ledger_path: str | Path, steps_fraction: float
                 _git(repo, "worktree", "remove", "--force", str(tmp / "src"))
     same_platform = None if None in recorded_platforms else all(p == platform for p in recorded_platforms)
     verdict = max((c.verdict for c in comparisons), key=_RANK.get)
-    body = {"event": "reproduction", "verdict": verdict, "steps_fraction": steps_fraction, "overrides": overrides,
+    body = {"event": REPRODUCTION, "verdict": verdict, "steps_fraction": steps_fraction, "overrides": overrides,
             "git_commit": commit, "ran": "worktree, this environment" if where == "worktree" and same_env else where,
             "platform": platform, "same_platform": same_platform, "run_sd": run_sd,
             "bundle": {"manifest_sha256": check.manifest_sha256, "ledger_head": check.head_hash},
