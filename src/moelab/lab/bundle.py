@@ -38,7 +38,6 @@ bundled metrics, and that the ledger head the report names is on the chain.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as dt
 import html
 import json
@@ -57,7 +56,7 @@ from moelab.data.store import read_manifest, sha256_file
 from moelab.errors import ConfigError, DataError
 from moelab.lab.dag import SUCCESS, Step, read_status, step_versions, versioned
 from moelab.lab.experiment import LEDGER_EXPORT
-from moelab.lab.ledger import Ledger, Record, canonical_json, record_hash, records, verify
+from moelab.lab.ledger import Ledger, Record, canonical_json, record_hash, record_line, records, verify
 from moelab.lab.registry import Experiment, load_experiment, spec_hash
 from moelab.train.outputs import CONFIG, DATA, METRICS, SUMMARY, read_jsonl
 
@@ -86,10 +85,6 @@ def finished_steps(experiment: Experiment) -> dict[str, Record]:
         if record.body.get("event") in ("finished", "skipped") and record.body.get("output_dir"):
             found[record.body["step"]] = record
     return found
-
-
-def _record_line(record: Record) -> str:
-    return canonical_json(dataclasses.asdict(record)) + "\n"
 
 
 def _spec_files(experiment: Experiment) -> dict[str, Record]:
@@ -144,12 +139,15 @@ def _fill(folder: Path, ledger: Ledger, exp_id: str) -> dict:
             raise ConfigError(f"step {name} of {exp_id!r} finished in {out} (ledger record {record.seq}), but that "
                               f"directory does not hold a SUCCESS run now (moved or deleted?). Run `moelab lab run "
                               f"{exp_id}` again to restore it, then export.")
-    own = records(ledger, key=exp_id)
+    # One read, cut at the head checked above: records another process appends meanwhile stay out of
+    # both files, so the chain ends at the head bundle.json states.
+    upto_head = [r for r in records(ledger) if r.seq <= chain.num_records]
+    own = [r for r in upto_head if r.key == exp_id]
     (folder / "ledger").mkdir()
-    (folder / RECORDS).write_text("".join(_record_line(r) for r in own))
+    (folder / RECORDS).write_text("".join(record_line(r) for r in own))
     (folder / CHAIN).write_text("".join(
         canonical_json({"seq": r.seq, "kind": r.kind, "key": r.key, "prev_hash": r.prev_hash, "hash": r.hash}) + "\n"
-        for r in records(ledger) if r.seq >= own[0].seq))
+        for r in upto_head if r.seq >= own[0].seq))
     (folder / "spec").mkdir()
     for name, record in _spec_files(experiment).items():
         (folder / name).write_text(yaml.safe_dump(record.body["spec"], sort_keys=False, allow_unicode=True))

@@ -48,7 +48,7 @@ from moelab.errors import ConfigError
 
 __all__ = ["KINDS", "GENESIS_HASH", "MIN_HASH_PREFIX", "Ledger", "Record", "ChainCheck", "DuplicateRecord",
            "ChainBroken", "canonical_json", "record_hash", "open_ledger", "append", "records", "verify", "check_chain",
-           "find_record", "export_jsonl"]
+           "find_record", "record_line", "export_jsonl"]
 
 FORMAT = "moelab-ledger"
 FORMAT_VERSION = 1
@@ -198,7 +198,7 @@ def _not_a_ledger(path: Path, why: str) -> ConfigError:
     )
 
 
-def _init_schema(conn: sqlite3.Connection) -> None:
+def _init_schema(conn: sqlite3.Connection, path: Path) -> None:
     """Create the tables (idempotent) and switch to WAL, safe while other processes do the same.
 
     The tables go first, under BEGIN IMMEDIATE, whose lock wait honours the busy timeout. Switching
@@ -207,10 +207,10 @@ def _init_schema(conn: sqlite3.Connection) -> None:
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
-        (num_tables,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'meta'").fetchone()
+        (has_meta,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'meta'").fetchone()
         (others,) = conn.execute("SELECT count(*) FROM sqlite_master WHERE name != 'meta'").fetchone()
-        if others and not num_tables:
-            raise sqlite3.DatabaseError("tables without a meta table")
+        if others and not has_meta:  # checked under the lock: another creator may have finished meanwhile
+            raise _not_a_ledger(path, "an SQLite database without moelab's meta table")
         for statement in _SCHEMA:
             conn.execute(statement)
         conn.execute("INSERT OR IGNORE INTO meta VALUES ('format', ?), ('version', ?)", (FORMAT, str(FORMAT_VERSION)))
@@ -259,15 +259,9 @@ def open_ledger(path: str | Path, create: bool = False) -> Ledger:
         except sqlite3.DatabaseError:
             meta = None
         if not meta:
-            (num_tables,) = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-            if (num_tables and meta is None) or not create:  # tables but no meta: someone else's database
+            if not create:
                 raise _not_a_ledger(path, "an SQLite database without moelab's meta table")
-            try:
-                _init_schema(conn)
-            except sqlite3.DatabaseError as err:
-                if "locked" in str(err):
-                    raise
-                raise _not_a_ledger(path, "an SQLite database without moelab's meta table") from err
+            _init_schema(conn, path)
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         if meta.get("format") != FORMAT:
             raise _not_a_ledger(path, f"its meta table says format={meta.get('format')!r}")
@@ -430,6 +424,11 @@ def check_chain(ledger: Ledger) -> ChainCheck:
     return check
 
 
+def record_line(record: Record) -> str:
+    """One record as export_jsonl and a bundle write it: canonical JSON of every field, one line."""
+    return canonical_json(dataclasses.asdict(record)) + "\n"
+
+
 def export_jsonl(ledger: Ledger, path: str | Path) -> Path:
     """Write every record, in order, one JSON object a line (seq, kind, key, created_at, body, prev_hash, hash):
     a copy anyone can check with the chain rule (`record_hash`) without SQLite. Written to a temporary name
@@ -438,7 +437,7 @@ def export_jsonl(ledger: Ledger, path: str | Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         for record in records(ledger):
-            f.write(canonical_json(dataclasses.asdict(record)) + "\n")
+            f.write(record_line(record))
     os.replace(tmp, path)
     return path
 
