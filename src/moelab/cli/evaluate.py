@@ -63,28 +63,29 @@ def evaluate(
                           "`moelab eval runs/tiny --data notes.txt`.")
     if include_path is not None and not include_path.is_dir():
         raise ConfigError(f"--include-path {include_path} is not a folder; give the folder of your task YAML files.")
+    if batch_size < 1 or (max_tokens is not None and max_tokens < 1):  # before any checkpoint is read
+        raise ConfigError("--batch-size and --max-tokens must be >= 1.")
+    from moelab.train.weights import load_run
+
+    cfg = _data_config(data) if data else None  # a bad data YAML is named before the checkpoint loads
+    weights = load_run(run, tokenizer)  # once, for the tasks and the data
     if tasks:
-        _run_tasks(run, tasks, include_path, limit, batch_size, tokenizer, json_out)
+        _run_tasks(run, weights, tasks, include_path, limit, batch_size, json_out)
         if not data:
             return
-    if batch_size < 1 or (max_tokens is not None and max_tokens < 1):
-        raise ConfigError("--batch-size and --max-tokens must be >= 1.")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from moelab.evals.loss import domain_documents, evaluate_documents
-    from moelab.train.weights import load_run
 
-    cfg = _data_config(data)
-    weights = load_run(run, tokenizer)
     documents = domain_documents(cfg)  # DataError naming a missing or malformed file, before any forward
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), console=err_console,
                   transient=True) as progress:
-        tasks = {}
+        bars = {}
 
         def on_batch(domain: str, done: int, total: int) -> None:
-            if domain not in tasks:
-                tasks[domain] = progress.add_task(domain, total=total)
-            progress.update(tasks[domain], completed=done)
+            if domain not in bars:
+                bars[domain] = progress.add_task(domain, total=total)
+            progress.update(bars[domain], completed=done)
 
         scores = evaluate_documents(weights, documents, batch_size=batch_size, max_tokens=max_tokens,
                                     on_batch=on_batch)
@@ -99,13 +100,12 @@ def evaluate(
     out_console.print(table)
 
 
-def _run_tasks(run: Path, tasks: str, include_path: Path | None, limit: int | None, batch_size: int,
-               tokenizer: Path | None, json_out: bool) -> None:
+def _run_tasks(run: Path, weights, tasks: str, include_path: Path | None, limit: int | None, batch_size: int,
+               json_out: bool) -> None:
     from moelab.evals.harness import run_tasks
-    from moelab.train.weights import load_run
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
-    results = run_tasks(load_run(run, tokenizer), names, include_path=str(include_path) if include_path else None,
+    results = run_tasks(weights, names, include_path=str(include_path) if include_path else None,
                         limit=limit, batch_size=batch_size)
     if json_out:
         print(json.dumps({"run": str(run), "tasks": results}, default=str))
