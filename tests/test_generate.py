@@ -143,3 +143,22 @@ def test_generate_bad_input_exits_2_with_one_paragraph_and_no_output(case, train
                 "prompt too long": "is 128 tokens; the model's context (model.seq_len) is 128",
                 "no tokenizer": "--tokenizer", "bad jsonl": "line 2", "both prompt options": "exactly one of"}[case]
     assert expected in message
+
+
+def test_reading_a_run_that_is_saving_a_checkpoint_changes_nothing_on_disk(trained_tiny_run, tmp_path):
+    """generate / eval / export read runs that may still be training: a newest step without its manifest
+    (a save in progress) and an Orbax temporary folder are skipped and left alone, not moved aside or deleted."""
+    from moelab.train.weights import load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_tiny_run, run, ignore=shutil.ignore_patterns("wandb"))
+    ckpts = run / "checkpoints"
+    [sealed] = [p for p in ckpts.iterdir() if p.name.isdigit()]
+    saving = ckpts / str(int(sealed.name) + 10)
+    shutil.copytree(sealed, saving)
+    (saving / "moelab_manifest.json").unlink()
+    (ckpts / f"{int(sealed.name) + 20}.orbax-checkpoint-tmp-1").mkdir()
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    weights = load_run(run)
+    assert weights.step == int(sealed.name)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before

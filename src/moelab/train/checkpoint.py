@@ -114,15 +114,20 @@ def _digest(step_dir: Path) -> dict[str, str]:
 class Checkpointer:
     """Saves and restores TrainStates under one directory."""
 
-    def __init__(self, directory: str | Path, cfg: CheckpointConfig):
+    def __init__(self, directory: str | Path, cfg: CheckpointConfig, read_only: bool = False):
+        """`read_only`: for readers of a run that may still be training (generate, eval, export): nothing
+        on disk changes; an unsealed step (a save in progress) is skipped, not moved aside or cleaned up."""
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep_last,
             keep_period=cfg.keep_every,
             # Synchronous saves: a SIGKILL right after save() returns must still find the step complete.
             enable_async_checkpointing=False,
-            create=True,
-            cleanup_tmp_directories=True,  # a save killed midway leaves `<step>.orbax-checkpoint-tmp-*`
+            create=not read_only,
+            # A save killed midway leaves `<step>.orbax-checkpoint-tmp-*`; for a reader it may be a live save.
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -166,12 +171,14 @@ class Checkpointer:
         """The newest checkpoint that verifies and loads, shaped like `like`; None if there is none.
 
         Each newer one that fails is moved aside (`_set_aside`) with a CheckpointWarning naming it, so
-        the step can be saved again when training reaches it (Orbax refuses to overwrite a step).
+        the step can be saved again when training reaches it (Orbax refuses to overwrite a step); a
+        read-only Checkpointer skips it instead.
         """
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in self.steps():
             if not mesh_lib.from_process_0(lambda: self.is_valid(step)):
-                self._set_aside(step, f"its files do not match {MANIFEST}")
+                if not self.read_only:
+                    self._set_aside(step, f"its files do not match {MANIFEST}")
                 continue
             args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
             try:
@@ -179,7 +186,8 @@ class Checkpointer:
             except Exception as e:  # Orbax raises many types; any failure means "not usable"
                 restored, error = None, f"{type(e).__name__}: {e}"
             if not mesh_lib.on_every_process(error is None):
-                self._set_aside(step, f"it could not be restored: {error or 'on another process'}")
+                if not self.read_only:
+                    self._set_aside(step, f"it could not be restored: {error or 'on another process'}")
                 continue
             return Restored(step, restored.state, dict(restored.meta))
         return None

@@ -79,13 +79,13 @@ def load_run(out: str | Path, tokenizer: Path | None = None) -> RunWeights:
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     like = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
                         jax.eval_shape(lambda: init_state(cfg)))
-    checkpoints = Checkpointer(ckpt_dir, cfg.checkpoint)
+    checkpoints = Checkpointer(ckpt_dir, cfg.checkpoint, read_only=True)  # the run may still be training
     try:
         restored = checkpoints.restore_newest(like=like)
     finally:
         checkpoints.close()
     if restored is None:
-        raise DataError(f"run {out} has no valid checkpoint in {ckpt_dir} (each one failed its manifest check "
-                        "and was moved aside); train it again to save one.")
+        raise DataError(f"run {out} has no valid checkpoint in {ckpt_dir} (each one failed its manifest check, "
+                        "or is a save still in progress); train it again to save one, or wait for the save.")
     state = restored.state
     return RunWeights(cfg, state.params, state.router_bias, restored.step, tok)
