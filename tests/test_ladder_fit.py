@@ -9,6 +9,7 @@ for S1 and Tissue et al.'s momentum recursion for S2 (m_i = lambda m_{i-1} + del
 import csv
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -39,6 +40,7 @@ from moelab.ladder.predict import (
     OnTrack,
     compute_equivalent_speedup,
     fit_curves,
+    load_on_track,
     load_prediction,
     predict_with_bands,
     read_curves,
@@ -329,6 +331,65 @@ def test_bootstrap_refits_differ_when_every_run_is_the_only_run_at_its_size():
     assert np.std(final) > 2.5e-4  # a quarter of the smallest sd measured; whole runs gave 0 (to 1e-12)
 
 
+def _shrinking_ladder(rng, kappa, seeds=2, run_sd=0.02, checkpoint_sd=0.01):
+    """Six sizes x `seeds` runs whose offsets and checkpoint noise scale as (N / 1e6)^-kappa."""
+    runs = []
+    for i, n in enumerate(np.geomspace(1e6, 1e8, 6)):
+        scale = (n / 1e6) ** -kappa
+        runs += [_synthetic_run(f"r{i}-{s}", n, 400 + 200 * i, KINDS[i], rng, 20, run_sd * scale, checkpoint_sd * scale)
+                 for s in range(seeds)]
+    return runs
+
+
+def test_noise_exponent_is_read_from_runs_whose_noise_shrinks_with_size_and_is_zero_when_it_does_not():
+    """Offsets and checkpoint noise falling as N^-0.5 over 12 runs: on seeds 0-7 the estimate was
+    0.32-0.52 (low rather than high: a run's RMS is mostly its one offset, so log RMS scatters by ~1
+    and the 2-standard-error rule keeps only clear slopes). Equal noise at every size: 0 on all 8."""
+    for seed in range(3):
+        law = fit_curve_law(_shrinking_ladder(np.random.default_rng(seed), kappa=0.5))
+        assert 0.2 <= law.noise_exponent <= 0.85, (seed, law.noise_exponent)
+        assert law.noise_ref == pytest.approx(1e7, rel=1e-9)  # the sizes' geometric mean
+        assert fit_curve_law(_shrinking_ladder(np.random.default_rng(seed), kappa=0.0)).noise_exponent == 0.0
+
+
+def test_a_bands_new_run_noise_is_scaled_to_the_runs_size():
+    """noise_exponent 0.5 and noise_ref 1e7: a run at 4e7 carries half the noise, so its band equals
+    the band of a bootstrap whose sds are halved and do not scale."""
+    run = Run("x", 4e7, np.arange(20, 501, 20), np.arange(20, 501, 20) * 1e4, np.full(25, 1e-3))
+    scaled = CurveBootstrap((TRUE,) * 20, run_sd=0.02, run_dof=5, checkpoint_sd=0.01, checkpoint_dof=200,
+                            noise_exponent=0.5, noise_ref=1e7)
+    halved = CurveBootstrap((TRUE,) * 20, run_sd=0.01, run_dof=5, checkpoint_sd=0.005, checkpoint_dof=200)
+    assert scaled.noise_scale(4e7) == pytest.approx(0.5)
+    got, want = predict_with_bands(TRUE, scaled, run), predict_with_bands(TRUE, halved, run)
+    for column in BAND_COLUMNS:
+        np.testing.assert_allclose(got[column], want[column], rtol=1e-12)
+
+
+def test_weighted_fit_bands_cover_larger_held_out_runs_when_noise_shrinks_with_size():
+    """Ladders of 12 runs whose noise falls as N^-0.7; held out: runs at 2x the largest size, with
+    their own (smaller) noise. The weighted fit must find the fall and its 95% band must still cover
+    those runs. Measured on these seeds: exponents 0.31-0.61, coverage 0.946, and the final band
+    0.09-0.36x as wide as with the same refits' noise left unscaled (every run as noisy as one at
+    the ladder's geometric-mean size)."""
+    inside, ratios = [], []
+    for seed in range(3):
+        rng = np.random.default_rng(200 + seed)
+        runs = _shrinking_ladder(rng, kappa=0.7)
+        law = fit_curve_law(runs)
+        assert law.noise_exponent > 0.3, law.noise_exponent
+        bootstrap = bootstrap_curve_law(runs, law, num_samples=30, seed=seed)
+        flat = bootstrap_curve_law(runs, replace(law, noise_exponent=0.0), num_samples=30, seed=seed)
+        for j in range(4):
+            held = _synthetic_run("held", 2e8, 1000, ("wsd", "cosine")[j % 2], rng, 20, 0.02 * 200**-0.7,
+                                  0.01 * 200**-0.7)
+            bands, rows = predict_with_bands(law, bootstrap, held), fitted_rows(held)
+            inside.append((held.loss[rows] >= bands["lo95"][rows]) & (held.loss[rows] <= bands["hi95"][rows]))
+            wide = predict_with_bands(law, flat, held)
+            ratios.append((bands["hi95"][-1] - bands["lo95"][-1]) / (wide["hi95"][-1] - wide["lo95"][-1]))
+    assert np.mean(np.concatenate(inside)) >= 0.9
+    assert max(ratios) < 0.6, ratios
+
+
 def _planned_run(params, kind, num_steps=1000, every=20):
     steps = np.arange(every, num_steps + 1, every)
     tokens_per_step = 2e4 * math.sqrt(params / 1e6)
@@ -418,6 +479,20 @@ def test_fit_curves_writes_the_target_rows_with_bands_and_returns_a_json_summary
     # The generating law at the final step of the planned run: the prediction is within its 95% band.
     planned = Run("main", 3e8, [r["step"] for r in rows], [r["tokens"] for r in rows], [r["lr"] for r in rows])
     assert lo95[-1] <= curve_loss(TRUE, planned)[-1] <= hi95[-1]
+
+
+def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_targets_size(target_csv, tmp_path):
+    """The forecast weighs each eval by the checkpoint sd of a run of the target's size, not of the
+    ladder's middle (1e7): with noise falling as N^-kappa they differ by 30^kappa at the 3e8 target."""
+    curves = tmp_path / "CURVES.csv"
+    _write_csv(curves, ["run", "params", "step", "tokens", "lr", "loss"],
+               _curve_rows(_shrinking_ladder(np.random.default_rng(4), kappa=0.7)))
+    summary = fit_curves(curves, target_csv, tmp_path / "PRED.csv", num_bootstrap=20)
+    noise = summary["noise"]
+    assert noise["size_exponent"] > 0.3 and noise["ref_params"] == pytest.approx(1e7, rel=1e-9)
+    track = load_on_track(tmp_path / "PRED.csv")
+    at_target = noise["checkpoint_sd"] * (3e8 / noise["ref_params"]) ** -noise["size_exponent"]
+    assert track.forecast.eval_sd * track.forecast.final_pred == pytest.approx(at_target, rel=1e-9)
 
 
 def test_read_curves_round_trips_the_runs_written_to_csv(curves_csv, ladder_runs):

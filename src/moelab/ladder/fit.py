@@ -54,7 +54,9 @@ Bands come from `bootstrap_curve_law`, a two-level residual bootstrap: every res
 run at its own size and redraws its residuals as one run offset (resampled across runs) plus the
 run's own within-run residual curve with a random sign, then refits; `predict` adds each new run's
 own noise (`CurveBootstrap.run_sd`, `checkpoint_sd`). Checkpoints of one run share a seed, data
-order and fit error, so they are never resampled one by one.
+order and fit error, so they are never resampled one by one. Small rungs stray further from the law
+than large ones: where the runs show it, the fit weights each run by how its residuals shrink with N
+and the bands scale a new run's noise to its size (`fit_curve_law`, `noise_scale`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ __all__ = [
     "past_warmup",
     "curve_loss",
     "curve_losses",
+    "noise_scale",
     "fit_curve_law",
     "bootstrap_curve_law",
 ]
@@ -101,6 +104,9 @@ _LBFGS_OPTIONS = {"ftol": 1e-14, "gtol": 1e-10, "maxiter": 1000}
 # A row counts as "at the peak LR" within this relative distance: CSVs print LRs rounded.
 _PEAK_TOLERANCE = 1e-6
 EXPONENT_BOUNDS = (0.01, 3.0)  # the search range of alpha and beta in the curve law
+# How fast a run's noise may fall with its size, residual sd ~ N^-kappa (`fit_curve_law`). Capped at 1:
+# a steeper fall, read off a few sizes and extrapolated to the target, would make its band too narrow.
+NOISE_EXPONENT_BOUNDS = (0.0, 1.0)
 # Early training is not a power law: a small model's loss falls from ln(vocab) through plateaus and
 # bumps (n-gram statistics, then induction) that no smooth S1^-beta follows, and least squares lets
 # those rows bend the exponents. Rows before this share of a run's tokens are not fitted (they are
@@ -352,6 +358,9 @@ class CurveLaw:
     tau: float  # delay of the annealing gain, in optimizer steps (lambda = exp(-1 / tau))
     rmse: float | None = None  # over the rows it was fitted to; None for a law written down by hand
     size: float | None = None  # a schedule-only law: the one params it was fitted at (a = 0); None: any size
+    # The fit's weights (`noise_scale`): a run's residuals were taken to scale as (N / noise_ref)^-noise_exponent.
+    noise_exponent: float = 0.0
+    noise_ref: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -370,10 +379,16 @@ class CurveBootstrap:
     """
 
     laws: tuple[CurveLaw, ...]
-    run_sd: float
+    run_sd: float  # at params = noise_ref; a run of size N has noise_scale(N) times it
     run_dof: float  # Satterthwaite's, so not always a whole number
-    checkpoint_sd: float
+    checkpoint_sd: float  # likewise at noise_ref
     checkpoint_dof: int
+    noise_exponent: float = 0.0
+    noise_ref: float = 1.0
+
+    def noise_scale(self, params: float) -> float:
+        """How much noisier than at noise_ref a run of `params` is (`fit.noise_scale`)."""
+        return noise_scale(params, self.noise_exponent, self.noise_ref)
 
 
 def _relative_lr(run: Run) -> np.ndarray:
@@ -472,10 +487,17 @@ class _Rows:
     anneal: interpolate.CubicSpline  # log tau -> [n] S2 at the fitted rows
     max_log_tau: float
     size: float | None  # the one params every run has, else None
+    noise_exponent: float = 0.0  # the rows are weighted by 1 / noise_scale(N)^2 (`fit_curve_law`)
+    noise_ref: float = 1.0
 
     @property
     def one_size(self) -> bool:
         return self.size is not None
+
+    @property
+    def scale(self) -> np.ndarray:
+        """[n] each row's noise_scale: residuals divided by it have one variance at every size."""
+        return np.exp(-self.noise_exponent * (self.log_params - math.log(self.noise_ref)))
 
     def split(self, values: np.ndarray) -> list[np.ndarray]:
         """[n] values -> one array per run."""
@@ -518,11 +540,15 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
     x_n, x_s = rows.log_params - ref_n, rows.log_s1 - ref_s
     ones = np.ones_like(rows.loss)
 
-    def project(p) -> tuple[np.ndarray, float]:
+    weight = 1.0 / rows.scale  # generalized least squares: each row divided by its noise sd
+
+    def design(p) -> np.ndarray:
         alpha, beta, log_tau = p
         size = [] if one_size else [np.exp(-alpha * x_n)]
-        design = np.column_stack([ones, *size, np.exp(-beta * x_s), -rows.anneal(log_tau)])
-        coefs, rnorm = optimize.nnls(design, rows.loss)
+        return np.column_stack([ones, *size, np.exp(-beta * x_s), -rows.anneal(log_tau)])
+
+    def project(p) -> tuple[np.ndarray, float]:
+        coefs, rnorm = optimize.nnls(design(p) * weight[:, None], rows.loss * weight)
         return (np.insert(coefs, 1, 0.0) if one_size else coefs), float(rnorm**2)
 
     def sse(p):
@@ -536,10 +562,13 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
     if one_size:  # alpha does not enter: search beta and tau only
         bounds[0] = (start[0], start[0])
     alpha, beta, log_tau = _search(sse, np.clip(start, *np.array(bounds).T), bounds)
-    (e, a, b, c), err = project((alpha, beta, log_tau))
+    coefs, _ = project((alpha, beta, log_tau))
+    e, a, b, c = coefs
+    fitted = design((alpha, beta, log_tau)) @ (np.delete(coefs, 1) if one_size else coefs)
     return CurveLaw(float(e), float(a * math.exp(alpha * ref_n)), 0.0 if one_size else float(alpha),
                     float(b * math.exp(beta * ref_s)), float(beta), float(c), math.exp(log_tau),
-                    math.sqrt(err / len(rows.loss)), rows.size)
+                    float(np.sqrt(np.mean((rows.loss - fitted) ** 2))), rows.size, rows.noise_exponent,
+                    rows.noise_ref)
 
 
 def _check_ladder(runs: Sequence[Run]) -> _Rows:
@@ -557,6 +586,32 @@ def _check_ladder(runs: Sequence[Run]) -> _Rows:
     return rows
 
 
+def noise_scale(params: float, exponent: float, ref: float) -> float:
+    """(params / ref)^-exponent: how much a run of `params` strays from the law, relative to one at `ref`."""
+    return float((params / ref) ** -exponent)
+
+
+def _noise_exponent(rows: _Rows, law: CurveLaw) -> tuple[float, float]:
+    """(exponent, ref): minus the slope of each run's log RMS residual against log N, and N's geometric mean.
+
+    Kept only where the runs show it: a slope within 2 standard errors of 0 (or fewer than 4 runs)
+    gives 0. One run's RMS is mostly its own offset, so log RMS scatters by ~1 between runs of one
+    size, and a slope read off 4-6 equally noisy runs is often +-0.3 by chance, which would shrink a
+    larger target's band for nothing. Clipped to NOISE_EXPONENT_BOUNDS.
+    """
+    log_n = np.array([values[0] for values in rows.split(rows.log_params)])
+    ref = math.exp(float(log_n.mean()))
+    if rows.one_size or len(log_n) < 4:
+        return 0.0, ref
+    rms = np.array([math.sqrt(float(np.mean(r**2))) for r in rows.split(rows.loss - _linearize(rows, law)[0])])
+    x, y = log_n - log_n.mean(), np.log(np.maximum(rms, 1e-12))
+    slope, intercept = np.polyfit(x, y, 1)
+    se = math.sqrt(float(np.sum((y - intercept - slope * x) ** 2)) / (len(x) - 2) / float(np.sum(x**2)))
+    if -slope <= 2 * se:
+        return 0.0, ref
+    return float(np.clip(-slope, *NOISE_EXPONENT_BOUNDS)), ref
+
+
 def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     """Fit the curve law jointly on every post-warmup row of every run (least squares on loss).
 
@@ -564,8 +619,21 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     within alpha, beta in [0.01, 3] and tau in [1, 10 x last step]. Runs of one size fit the
     schedule part alone (`CurveLaw.size`): E absorbs A * N^-alpha, and the law predicts new
     schedules for that size only.
+
+    Small rungs stray further from any law than large ones: on our CPU ladders, seeds of one small
+    rung sit 2-3% apart for the whole run, seeds of the target under 1%. Ordinary least squares lets
+    the noisiest, furthest-from-the-target runs pull the fit as hard as the nearest. So the fit is
+    done twice: unweighted, to measure how each run's RMS residual falls with N (`noise_scale`,
+    exponent kappa), then weighted by N^(2 kappa) (generalized least squares; Carroll & Ruppert 1988,
+    "Transformation and Weighting in Regression", ch. 3: estimate the variance function from a first
+    fit's residuals, then refit). The bands use the same scale (`bootstrap_curve_law`).
     """
-    return _fit_rows(_check_ladder(runs), start=None)
+    rows = _check_ladder(runs)
+    law = _fit_rows(rows, start=None)
+    exponent, ref = _noise_exponent(rows, law)
+    if exponent == 0.0:
+        return replace(law, noise_ref=ref)
+    return _fit_rows(replace(rows, noise_exponent=exponent, noise_ref=ref), start=None)
 
 
 def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
@@ -665,10 +733,11 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     sizes, the very fits to avoid, and it yields a variance, not a distribution. Warm starts skip the
     grid, the usual compromise that keeps each refit local to the full-data optimum.
     """
-    rows = _check_ladder(runs)
+    rows = replace(_check_ladder(runs), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref)
     predicted, jacobian = _linearize(rows, law)
-    residuals = rows.split(rows.loss - predicted)
-    run_var, run_dof, checkpoint_var, checkpoint_dof = _variance_components(residuals, jacobian)
+    scale = rows.scale
+    residuals = rows.split((rows.loss - predicted) / scale)  # in units of a run at noise_ref
+    run_var, run_dof, checkpoint_var, checkpoint_dof = _variance_components(residuals, jacobian / scale[:, None])
 
     offsets = np.array([r.mean() for r in residuals])
     centred = offsets - offsets.mean()
@@ -676,12 +745,13 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     run_draws = centred * math.sqrt(run_var / spread) if run_var > 0 and spread > 0 else np.zeros(len(residuals))
     within = [r - r.mean() for r in residuals]
     mean_square = float(sum(np.sum(w**2) for w in within)) / len(rows.loss)
-    scale = math.sqrt(checkpoint_var / mean_square) if mean_square > 0 else 0.0
+    shrink = math.sqrt(checkpoint_var / mean_square) if mean_square > 0 else 0.0
     rng = np.random.default_rng(seed)
     start = np.array([law.alpha if law.size is None else EXPONENT_BOUNDS[0], law.beta, math.log(law.tau)])
     laws = []
     for _ in progress(range(num_samples)):
         draws, signs = rng.choice(run_draws, len(residuals)), rng.choice([-1.0, 1.0], len(residuals))
-        noise = np.concatenate([u + sign * scale * w for u, sign, w in zip(draws, signs, within)])
-        laws.append(_fit_rows(replace(rows, loss=predicted + noise), start))
-    return CurveBootstrap(tuple(laws), math.sqrt(run_var), run_dof, math.sqrt(checkpoint_var), checkpoint_dof)
+        noise = np.concatenate([u + sign * shrink * w for u, sign, w in zip(draws, signs, within)])
+        laws.append(_fit_rows(replace(rows, loss=predicted + scale * noise), start))
+    return CurveBootstrap(tuple(laws), math.sqrt(run_var), run_dof, math.sqrt(checkpoint_var), checkpoint_dof,
+                          law.noise_exponent, law.noise_ref)

@@ -58,6 +58,7 @@ from moelab.ladder.fit import (
     envelope_compute,
     fit_curve_law,
     fitted_rows,
+    noise_scale,
     past_warmup,
 )
 from moelab.ladder.forecast import ForecastFinal
@@ -171,16 +172,18 @@ def read_target(path: str | Path) -> list[Run]:
 # bands
 
 
-def _noise_cdf(bootstrap: CurveBootstrap) -> tuple[np.ndarray, np.ndarray]:
-    """(x, G(x)) on a grid: the CDF of a new run's noise, run_sd * t(run_dof) + checkpoint_sd * t(checkpoint_dof).
+def _noise_cdf(bootstrap: CurveBootstrap, params: float) -> tuple[np.ndarray, np.ndarray]:
+    """(x, G(x)) on a grid: the CDF of a new run's noise, (run_sd * t(run_dof) + checkpoint_sd * t(checkpoint_dof))
+    times the noise scale of a run of `params` (`CurveBootstrap.noise_scale`).
 
     Each term's probability mass per grid bin comes from its CDF; the sum's mass is their discrete
     convolution. Bins are 1/8 of the narrower sd (one below 1% of the other is left out: it cannot
     move a quantile visibly) and the grid spans both terms' 0.01% tails.
     """
-    terms = [(max(bootstrap.checkpoint_sd, 1e-9), bootstrap.checkpoint_dof)]  # a noiseless fit keeps a CDF
+    scale = bootstrap.noise_scale(params)
+    terms = [(max(scale * bootstrap.checkpoint_sd, 1e-9), bootstrap.checkpoint_dof)]  # a noiseless fit keeps a CDF
     if bootstrap.run_dof > 0:
-        terms.append((bootstrap.run_sd, bootstrap.run_dof))
+        terms.append((scale * bootstrap.run_sd, bootstrap.run_dof))
     largest = max(sd for sd, _ in terms)
     terms = [(sd, dof) for sd, dof in terms if sd >= 0.01 * largest]
     width = min(sd for sd, _ in terms) / 8
@@ -211,7 +214,7 @@ def _mixture_quantiles(centres: np.ndarray, noise: tuple[np.ndarray, np.ndarray]
 def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run) -> dict[str, np.ndarray]:
     """`BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring."""
     centres = curve_losses(bootstrap.laws, run)
-    quantiles = _mixture_quantiles(centres, _noise_cdf(bootstrap), list(_QUANTILES.values()))
+    quantiles = _mixture_quantiles(centres, _noise_cdf(bootstrap, run.params), list(_QUANTILES.values()))
     # A cross-entropy is never negative: the additive noise model's tail below 0 (a band resting on
     # one or two degrees of freedom reaches there) is mass at 0, so quantiles there read 0.
     bands = {k: np.maximum(q, 0.0) for k, q in zip(_QUANTILES, quantiles)}
@@ -332,7 +335,8 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
                 else "L(N, t) = E + A*N^-alpha + B*S1(t)^-beta - C*S2(t)"),
         "params": {k: getattr(law, v) for k, v in names.items()},
         "params_95": {k: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))] for k, v in refits.items()},
-        "noise": {"run_sd": bootstrap.run_sd, "checkpoint_sd": bootstrap.checkpoint_sd, "run_dof": bootstrap.run_dof},
+        "noise": {"run_sd": bootstrap.run_sd, "checkpoint_sd": bootstrap.checkpoint_sd, "run_dof": bootstrap.run_dof,
+                  "size_exponent": bootstrap.noise_exponent, "ref_params": bootstrap.noise_ref},
         "fit": {"runs": len(curves), "rows": int(sum(len(r.steps) for r in curves)),
                 "rows_fitted": int(sum(fitted_rows(r).sum() for r in curves)), "rmse": law.rmse,
                 "sizes": sorted({r.params for r in curves})},
@@ -531,14 +535,18 @@ def sidecar_path(pred_path: str | Path) -> Path:
 
 def load_on_track(path: str | Path) -> OnTrack:
     """The on-track watcher of PRED.csv's run (its only one), with the fit's noise from its sidecar if present."""
-    sidecar, checkpoint_sd = sidecar_path(path), None
+    sidecar, checkpoint_sd, rows = sidecar_path(path), None, load_prediction(path)
     if sidecar.is_file():
         try:
-            checkpoint_sd = float(json.loads(sidecar.read_text())["noise"]["checkpoint_sd"])
-        except (ValueError, KeyError, TypeError) as err:
+            noise = json.loads(sidecar.read_text())["noise"]
+            # at the predicted run's size (a sidecar written before noise scaled with size has neither key)
+            scale = noise_scale(rows[0]["params"], float(noise.get("size_exponent", 0.0)),
+                                float(noise.get("ref_params", 1.0)))
+            checkpoint_sd = scale * float(noise["checkpoint_sd"])
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DataError(f"{sidecar} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it or "
                             "refit to rewrite it.") from None
-    return OnTrack(load_prediction(path), source=str(path), checkpoint_sd=checkpoint_sd)
+    return OnTrack(rows, source=str(path), checkpoint_sd=checkpoint_sd)
 
 
 def compute_equivalent_speedup(baseline_fit: EnvelopeFit, candidate_loss: float, candidate_compute: float) -> float:
