@@ -1,6 +1,7 @@
 """Ladder rungs and the `moelab ladder` commands: plan reproduces the presets; bad recipes exit 2."""
 
 import csv
+from dataclasses import replace
 import json
 import warnings
 
@@ -13,7 +14,7 @@ from moelab import accounting, presets
 from moelab.config import load_yaml, override
 from moelab.errors import ConfigError
 from moelab.ladder.predict import load_on_track
-from moelab.ladder.rungs import LadderRecipe, fit_lr_rule, preset_recipe, rungs_of
+from moelab.ladder.rungs import LadderRecipe, fit_lr_rule, load_recipe, preset_recipe, rungs_of
 from moelab.presets import make_rung, scale_model, tokens_per_active_param
 from moelab.ladder.run import target_rows, write_csv
 
@@ -153,6 +154,21 @@ def test_data_epochs_count_the_passes_over_each_domain_and_warn_past_one():
     default_mix = override(cfg, {"data.phases": []})
     (warning,) = repeated_data([default_mix], sizes)
     assert warning.startswith("ladder-cpu-target reads prose 2.13x: repeated data bends its loss away")
+
+
+def test_rungs_too_short_to_be_tuned_like_the_others_are_warned_once_per_shape(tmp_path, monkeypatch, capsys):
+    """ladder-cpu's old d32 rung (186 steps, 5 seeds) is flagged once; its rungs from d48 (401 steps) are not."""
+    from moelab.ladder.rungs import MIN_RUNG_STEPS, short_rungs
+
+    recipe = replace(load_recipe("experiments/ladder-cpu.yaml"), shapes=((32, 3), (48, 3), (64, 3)), rung_seeds=5)
+    (warning,) = short_rungs(rungs_of(recipe))
+    assert warning.startswith(f"ladder-d32-l3 trains 186 steps, under {MIN_RUNG_STEPS}: a rung this short")
+    assert short_rungs(rungs_of(replace(recipe, shapes=((48, 3), (64, 3))))) == []
+    path = tmp_path / "recipe.yaml"
+    path.write_text("target: {preset: tiny, overrides: {train.steps: 1000}}\nrungs: [[16, 1], [64, 2]]\n")
+    code, out, err = run_cli(["ladder", "plan", str(path)], monkeypatch, capsys)
+    assert code == 0 and "ladder-d16-l1 trains" in " ".join((out + err).split())
+    assert "ladder-d64-l2 trains" not in " ".join((out + err).split())
 
 
 def test_rungs_take_the_recipes_lr_rule():

@@ -59,16 +59,18 @@ def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt =
     out_console.print(table)
     out_console.print(lr_rule_text(r))
     if preset is None:  # a preset's data is the frontier's (not on this machine); a recipe's is read
-        _warn_repeated_data(configs + [r.target])
+        _warn_recipe(configs, r.target)
 
 
-def _warn_repeated_data(configs) -> None:
-    """Warn for each config that would read a domain of its data more than once (`rungs.repeated_data`)."""
-    from moelab.ladder.rungs import repeated_data
+def _warn_recipe(rungs, target) -> None:
+    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`) and each run that
+    would read a domain of its data more than once (`rungs.repeated_data`)."""
+    from moelab.ladder.rungs import repeated_data, short_rungs
     from moelab.train.loop import prepare_corpus
 
-    corpus = prepare_corpus(configs[-1])
-    for warning in repeated_data(configs, {d: len(tokens) for d, tokens in corpus.train.items()}):
+    corpus = prepare_corpus(target)
+    sizes = {d: len(tokens) for d, tokens in corpus.train.items()}
+    for warning in short_rungs(rungs) + repeated_data(rungs + [target], sizes):
         print_problem("Warning", warning, "yellow")
 
 
@@ -84,7 +86,7 @@ def run(
 
     ladder = _recipe(recipe, None)
     rungs, target = plan_ladder(ladder)
-    _warn_repeated_data(rungs + [target])
+    _warn_recipe(rungs, target)
     summary = run_ladder(ladder, out, run_training, progress=_bootstrap_bar)
     if json_out:
         print(json.dumps(summary))
