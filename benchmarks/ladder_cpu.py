@@ -1,16 +1,16 @@
 """A real scaling ladder on the embedded corpus, scored: predicted vs actual loss of a larger target.
 
     python benchmarks/ladder_cpu.py --json                       # experiments/ladder-cpu.yaml
-    python benchmarks/ladder_cpu.py --recipe experiments/ladder-cpu-wide.yaml --out runs/ladder-cpu-wide
+    python benchmarks/ladder_cpu.py --recipe experiments/ladder-cpu-shallow.yaml --out runs/ladder-cpu-shallow
     python benchmarks/ladder_cpu.py --seeds 3                    # the target with train.seed 0, 1, 2
 
 Trains the recipe's rungs, fits the schedule-aware curve law on every eval of every rung (with the
 leave-largest-out self-check), predicts the target's whole eval curve with bands, then trains the
 target with `--seeds` seeds, replays the on-track watcher (band and live forecast) over each one's
-evals, and reports, per seed and over the seeds, the
-final-loss error and the curve MAPE over the evals after the first 10% of tokens, the 95% band's
-coverage, and the seed-to-seed spread of the final loss: an error below that spread is the floor.
-Everything is resumable: re-running reuses finished rungs and finished targets.
+evals, and reports, per seed and over the seeds, the final-loss error and the curve MAPE over the
+evals after the first 10% of tokens, the 95% band's coverage, and the seed-to-seed spread of the
+final loss: an error below that spread is the floor (likewise `seed_floor_mape`, each seed's MAPE
+against the other seeds' mean curve, for the per-seed MAPE). Everything is resumable: re-running reuses finished rungs and finished targets.
 """
 
 from __future__ import annotations
@@ -59,6 +59,24 @@ def score_seed(pred_path: Path, target, run_dir: Path) -> dict:
             "forecast_off_track_incidents": rules.count("forecast_off_track"), "forecast_final": forecasts}
 
 
+def seed_floors(out: Path, num_seeds: int) -> dict:
+    """What the seeds' own noise leaves: the prediction's MAPE against the seeds' mean curve, and each
+    seed's MAPE against the mean of the other seeds (the floor a per-seed MAPE cannot go below by much).
+
+    Over the evals after the first 10% of tokens, like `predict.score`; empty with fewer than 2 seeds.
+    """
+    if num_seeds < 2:
+        return {}
+    runs = [read_curves(seed_dir(out, s) / "curve.csv")[0] for s in range(num_seeds)]
+    by_step = {int(r["step"]): r["loss_pred"] for r in load_prediction(out / "prediction.csv")}
+    late = runs[0].tokens >= 0.1 * runs[0].tokens[-1]
+    losses = np.array([r.loss for r in runs])[:, late]
+    pred = np.array([by_step[int(s)] for s in runs[0].steps[late]])
+    others = [np.delete(losses, i, axis=0).mean(0) for i in range(num_seeds)]
+    return {"mape_vs_seed_mean": float(np.mean(np.abs(pred / losses.mean(0) - 1))),
+            "seed_floor_mape": float(np.mean([np.mean(np.abs(o / l - 1)) for o, l in zip(others, losses)]))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="experiments/ladder-cpu.yaml")
@@ -79,6 +97,7 @@ def main() -> None:
         if not (run_dir / SUMMARY).is_file():
             train(cfg, run_dir)
         seeds[seed] = score_seed(out / "prediction.csv", cfg, run_dir)
+    floors = seed_floors(out, args.seeds)
     finals = [s["final_actual"] for s in seeds.values()]
     mean_final = statistics.fmean(finals)
     predicted = fit["targets"][0]["loss_pred"]
@@ -104,6 +123,7 @@ def main() -> None:
         "final_error_max_abs": max(abs(s["final_error"]) for s in seeds.values()),
         "seed_spread": statistics.stdev(finals) / mean_final if len(finals) > 1 else None,
         "mape_after_10pct": statistics.fmean(s["mape_after_10pct"] for s in seeds.values()),
+        **floors,
         "band95_coverage": statistics.fmean(s["band95_coverage"] for s in seeds.values()),
         "self_check": fit["self_check"],
         "notes": fit["notes"],
