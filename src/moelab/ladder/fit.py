@@ -732,6 +732,10 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     fit uncertainty. Why not a jackknife over runs: with 4 runs each leave-one-out fit stands on 3
     sizes, the very fits to avoid, and it yields a variance, not a distribution. Warm starts skip the
     grid, the usual compromise that keeps each refit local to the full-data optimum.
+
+    With a weighted law (`fit_curve_law`: noise_exponent > 0) the residuals are divided by each row's
+    noise scale before all this and multiplied back per run, and every refit keeps the law's weights:
+    kappa is not re-estimated, so its own uncertainty is not in the band.
     """
     rows = replace(_check_ladder(runs), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref)
     predicted, jacobian = _linearize(rows, law)
