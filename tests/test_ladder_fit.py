@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from moelab.errors import ConfigError, DataError
 from moelab.ladder.fit import (
@@ -481,7 +482,8 @@ def test_fit_curves_writes_the_target_rows_with_bands_and_returns_a_json_summary
     assert lo95[-1] <= curve_loss(TRUE, planned)[-1] <= hi95[-1]
 
 
-def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_targets_size(target_csv, tmp_path):
+def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_targets_size(target_csv, tmp_path,
+                                                                                           monkeypatch, capsys):
     """The forecast weighs each eval by the checkpoint sd of a run of the target's size, not of the
     ladder's middle (1e7): with noise falling as N^-kappa they differ by 30^kappa at the 3e8 target."""
     curves = tmp_path / "CURVES.csv"
@@ -493,6 +495,10 @@ def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_t
     track = load_on_track(tmp_path / "PRED.csv")
     at_target = noise["checkpoint_sd"] * (3e8 / noise["ref_params"]) ** -noise["size_exponent"]
     assert track.forecast.eval_sd * track.forecast.final_pred == pytest.approx(at_target, rel=1e-9)
+    code, out, err = run_cli(["ladder", "fit", "--curves", str(curves), "--target", str(target_csv), "--out",
+                              str(tmp_path / "CLI.csv"), "--bootstrap", "20"], monkeypatch, capsys)
+    assert code == 0, err
+    assert f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f}" in " ".join(out.split())
 
 
 def test_read_curves_round_trips_the_runs_written_to_csv(curves_csv, ladder_runs):

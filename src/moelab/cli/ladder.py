@@ -130,6 +130,11 @@ def _print_fit(summary: dict) -> None:
     for name, value in summary["params"].items():
         if not (name in ("A", "alpha") and summary["law"].endswith("(one size)")):
             out_console.print(f"  {name} = {value:.6g}")
+    noise = summary["noise"]
+    if noise.get("size_exponent", 0.0) > 0:
+        out_console.print(f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f} (sd "
+                          f"{noise['run_sd']:.3g} between runs, {noise['checkpoint_sd']:.3g} within one, at N = "
+                          f"{noise['ref_params']:.4g}); each band carries the noise of its run's own size.")
     for t in summary["targets"]:
         out_console.print(f"Target {escape(t['run'])}: final loss {t['loss_pred']:.4f}, 95% band "
                           f"[{t['lo95']:.4f}, {t['hi95']:.4f}] (+-{t['band95_half_width']:.2%})")
