@@ -330,6 +330,21 @@ def test_compare_runs_reads_bitwise_then_the_stated_noise_then_differs(losses, g
     assert [s for s, _ in partial.per_step] == [1, 2] and partial.params == "not compared"
 
 
+def test_the_stated_run_sd_is_scaled_to_each_reruns_size_by_the_fits_noise_scale():
+    """A weighted ladder fit states run_sd at noise.ref_params; a rung half that size is noisier by 2^kappa.
+    A sidecar written before the scale existed states one run_sd for every size."""
+    from moelab import presets
+    from moelab.accounting import count_params
+    from moelab.lab.reproduce import _run_sd_at
+
+    cfg = presets.get("tiny")
+    params = count_params(cfg.model).active
+    noise = {"run_sd": 0.02, "size_exponent": 0.7, "ref_params": 2.0 * params}
+    assert _run_sd_at(noise, cfg) == pytest.approx(0.02 * 2.0**0.7, rel=1e-12)
+    assert _run_sd_at({"run_sd": 0.02}, cfg) == 0.02
+    assert _run_sd_at(None, cfg) is None
+
+
 def test_a_rerun_on_other_tokens_than_the_record_is_refused(tmp_path):
     """The record trained on a token store (its step's versioned store hash); a config that now reads none (or
     another content) is refused by name before anything runs."""

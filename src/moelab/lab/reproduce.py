@@ -13,7 +13,8 @@ are compared with the recorded ones:
   `train.state.weights_sha256`). Expected on the platform that recorded it (`summary.json`'s platform).
 - *within noise*: not bitwise, but every loss (loss, ce, eval/*) within 1.96 * sqrt(2) * run_sd of the
   recorded one: the 95% range of the difference of two runs, with run_sd the run-to-run spread that
-  the record states (a ladder fit's `noise.run_sd` in prediction.json). Other metrics (norms, router
+  the record states (a ladder fit's `noise.run_sd` in prediction.json, scaled to each run's size as
+  the fit's `noise.size_exponent` says). Other metrics (norms, router
   statistics) have no stated noise and are not held to one. A record without a stated noise has no
   such verdict.
 - *differs*: anything else, with the first diverging step and metric.
@@ -49,6 +50,7 @@ from typing import Any, Iterator
 import yaml
 
 from moelab import presets
+from moelab.accounting import count_params
 from moelab.config import CheckpointConfig, RunConfig, dump_yaml, from_dict, to_dict
 from moelab.data.store import store_hashes
 from moelab.errors import ConfigError
@@ -56,6 +58,7 @@ from moelab.lab.bundle import Bundle, load_bundle, verify_bundle
 from moelab.lab.experiment import Progress
 from moelab.lab.ledger import Record, append, check_chain, open_ledger, records
 from moelab.lab.report import REPRODUCTION
+from moelab.ladder.fit import noise_scale
 from moelab.train.outputs import CONFIG, METRICS, SUMMARY, read_jsonl
 
 __all__ = ["REPRODUCED", "WITHIN_NOISE", "DIFFERS", "NOISE_FACTOR", "StepComparison", "Reproduction",
@@ -297,7 +300,7 @@ class Reproduction:
     commit: str
     where: str  # "here" or "worktree"
     same_platform: bool | None  # None: the record states no platform (a run older than the field)
-    run_sd: float | None  # the run-to-run spread the record states; None: none stated
+    run_sd: float | None  # the run-to-run spread the record states (at its noise.ref_params); None: none stated
     record: Record  # the ledger record of this reproduction
     notes: list[str]
 
@@ -311,15 +314,25 @@ def _training_steps(bundle: Bundle) -> list[str]:
     return names
 
 
-def _stated_run_sd(bundle: Bundle) -> float | None:
-    """The run-to-run spread (nats) the record states: a ladder fit's noise.run_sd, if any step has one."""
+def _stated_noise(bundle: Bundle) -> dict | None:
+    """The run-to-run noise the record states: a ladder fit's `noise` (prediction.json), if any step has one."""
     for name in ("fit", *bundle.steps()):
         path = bundle.folder / "steps" / name / "prediction.json"
         if name in bundle.info["steps"] and path.is_file():
-            run_sd = json.loads(path.read_text()).get("noise", {}).get("run_sd")
-            if isinstance(run_sd, (int, float)) and math.isfinite(run_sd):
-                return float(run_sd)
+            noise = json.loads(path.read_text()).get("noise", {})
+            if isinstance(noise.get("run_sd"), (int, float)) and math.isfinite(noise["run_sd"]):
+                return noise
     return None
+
+
+def _run_sd_at(noise: dict | None, cfg: RunConfig) -> float | None:
+    """The stated run sd for a run of `cfg`'s size: a weighted fit states it at noise.ref_params and
+    how it scales with size (`ladder.fit.noise_scale`); an older sidecar has no scale."""
+    if noise is None:
+        return None
+    scale = noise_scale(count_params(cfg.model).active, float(noise.get("size_exponent", 0.0)),
+                        float(noise.get("ref_params", 1.0)))
+    return float(noise["run_sd"]) * scale
 
 
 def _config(bundle: Bundle, name: str, overrides: dict[str, Any]) -> RunConfig:
@@ -402,7 +415,8 @@ def reproduce(folder: str | Path, ledger_path: str | Path, steps_fraction: float
     commit = _commit_of(bundle, names)
     where = locate_code(repo, commit)
     book = _check_ledger(Path(ledger_path), bundle)
-    run_sd = _stated_run_sd(bundle)
+    noise = _stated_noise(bundle)
+    run_sd = None if noise is None else float(noise["run_sd"])
     notes = []
     if any(bundle.info["steps"][n].get("git_dirty") for n in names):
         notes.append(f"the record says the tree had uncommitted changes when it ran: commit {commit[:12]} alone "
@@ -419,7 +433,7 @@ def reproduce(folder: str | Path, ledger_path: str | Path, steps_fraction: float
                 else:
                     _rerun_elsewhere(python, env, configs[n], out, until[n], tmp / "src")
             comparisons = [compare_runs(n, bundle.step_dir(n), tmp / "runs" / n, until[n], configs[n].train.steps,
-                                        run_sd) for n in names]
+                                        _run_sd_at(noise, configs[n])) for n in names]
             recorded_platforms = [_read_json(bundle.step_dir(n) / SUMMARY).get("platform") for n in names]
             platform = _read_json(tmp / "runs" / names[0] / PLATFORM_FILE)
         finally:
