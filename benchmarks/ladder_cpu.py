@@ -9,8 +9,8 @@ leave-largest-out self-check), predicts the target's whole eval curve with bands
 target with `--seeds` seeds, replays the on-track watcher (band and live forecast) over each one's
 evals, and reports, per seed and over the seeds, the final-loss error and the curve MAPE over the
 evals after the first 10% of tokens, the 95% band's coverage, and the seed-to-seed spread of the
-final loss: an error below that spread is the floor (likewise `seed_floor_mape`, each seed's MAPE
-against the other seeds' mean curve, for the per-seed MAPE). Everything is resumable: re-running reuses finished rungs and finished targets.
+final loss: an error below that spread is the floor (likewise `seed_floor_mape` for the per-seed
+MAPE: what a prediction of the recipe's true mean curve would score, from the seeds). Everything is resumable: re-running reuses finished rungs and finished targets.
 """
 
 from __future__ import annotations
@@ -60,10 +60,13 @@ def score_seed(pred_path: Path, target, run_dir: Path) -> dict:
 
 
 def seed_floors(out: Path, num_seeds: int) -> dict:
-    """What the seeds' own noise leaves: the prediction's MAPE against the seeds' mean curve, and each
-    seed's MAPE against the mean of the other seeds (the floor a per-seed MAPE cannot go below by much).
+    """What the seeds' own noise leaves: the prediction's MAPE against the seeds' mean curve, and the
+    per-seed MAPE a prediction that knew the recipe's true mean curve would score (the floor).
 
-    Over the evals after the first 10% of tokens, like `predict.score`; empty with fewer than 2 seeds.
+    The floor is each seed's MAPE against the mean of the other k - 1 seeds times sqrt((k - 1) / k):
+    that mean is itself off the true curve, which makes the difference's variance k / (k - 1) times
+    one seed's (1.5x for 3 seeds), and a MAPE scales with the sd. Over the evals after the first 10%
+    of tokens, like `predict.score`; empty with fewer than 2 seeds.
     """
     if num_seeds < 2:
         return {}
@@ -74,7 +77,8 @@ def seed_floors(out: Path, num_seeds: int) -> dict:
     pred = np.array([by_step[int(s)] for s in runs[0].steps[late]])
     others = [np.delete(losses, i, axis=0).mean(0) for i in range(num_seeds)]
     return {"mape_vs_seed_mean": float(np.mean(np.abs(pred / losses.mean(0) - 1))),
-            "seed_floor_mape": float(np.mean([np.mean(np.abs(o / l - 1)) for o, l in zip(others, losses)]))}
+            "seed_floor_mape": float(np.mean([np.mean(np.abs(o / l - 1)) for o, l in zip(others, losses)])
+                                     * np.sqrt((num_seeds - 1) / num_seeds))}
 
 
 def main() -> None:

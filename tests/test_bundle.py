@@ -323,7 +323,7 @@ def test_compare_runs_reads_bitwise_then_the_stated_noise_then_differs(losses, g
     recorded = _run_folder(tmp_path / "recorded", [3.0, 2.5, 2.0], [1.0, 0.9, 0.8])
     rerun = _run_folder(tmp_path / "rerun", losses, grads, params * 64)
     result = compare_runs("train", recorded, rerun, 3, 3, run_sd)
-    assert result.verdict == verdict
+    assert result.verdict == verdict and result.to_json()["run_sd"] == run_sd  # the ledger states what it was held to
     got = result.first_difference
     assert (None if got is None else (got["step"], got["metric"])) == first
     partial = compare_runs("train", recorded, rerun, 2, 3, run_sd)  # steps 1-2 only; no weights to compare
@@ -335,6 +335,7 @@ def test_the_stated_run_sd_is_scaled_to_each_reruns_size_by_the_fits_noise_scale
     A sidecar written before the scale existed states one run_sd for every size."""
     from moelab import presets
     from moelab.accounting import count_params
+    from moelab.errors import ConfigError
     from moelab.lab.reproduce import _run_sd_at
 
     cfg = presets.get("tiny")
@@ -343,6 +344,8 @@ def test_the_stated_run_sd_is_scaled_to_each_reruns_size_by_the_fits_noise_scale
     assert _run_sd_at(noise, cfg) == pytest.approx(0.02 * 2.0**0.7, rel=1e-12)
     assert _run_sd_at({"run_sd": 0.02}, cfg) == 0.02
     assert _run_sd_at(None, cfg) is None
+    with pytest.raises(ConfigError, match="ref_params=0: not a scale"):
+        _run_sd_at({"run_sd": 0.02, "size_exponent": 0.7, "ref_params": 0}, cfg)
 
 
 def test_a_rerun_on_other_tokens_than_the_record_is_refused(tmp_path):

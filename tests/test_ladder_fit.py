@@ -499,6 +499,11 @@ def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_t
                               str(tmp_path / "CLI.csv"), "--bootstrap", "20"], monkeypatch, capsys)
     assert code == 0, err
     assert f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f}" in " ".join(out.split())
+    sidecar = json.loads((tmp_path / "PRED.json").read_text())
+    sidecar["noise"]["ref_params"] = 0
+    (tmp_path / "PRED.json").write_text(json.dumps(sidecar))
+    with pytest.raises(DataError, match="is not the sidecar `moelab ladder fit` writes"):
+        load_on_track(tmp_path / "PRED.csv")
 
 
 def test_read_curves_round_trips_the_runs_written_to_csv(curves_csv, ladder_runs):

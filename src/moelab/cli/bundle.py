@@ -141,10 +141,13 @@ def reproduce(
                                                     f"recorded, {first['reproduced']} now")
         out_console.print(table)
         for c in result.steps:
-            out_console.print(f"{c.name} ({len(c.per_step)} logged steps): {spans(c)}", highlight=False, soft_wrap=True)
+            held = "" if c.run_sd is None else f" (losses held to run sd {c.run_sd:.4g} at its size)"
+            out_console.print(f"{c.name} ({len(c.per_step)} logged steps{held}): {spans(c)}", highlight=False,
+                              soft_wrap=True)
         platform = {None: "the record states no platform", True: "same platform as recorded",
                     False: "another platform than recorded"}[result.same_platform]
-        noise = "no run-to-run noise stated" if result.run_sd is None else f"stated run-to-run sd {result.run_sd:.4g}"
+        noise = ("no run-to-run noise stated" if result.run_sd is None else
+                 f"stated run-to-run sd {result.run_sd:.4g}, scaled to each run's size")
         out_console.print(f"Verdict: {result.verdict} ({platform}; {noise}). Recorded as ledger record "
                           f"{result.record.seq} (sha256 {result.record.hash[:16]}...).", highlight=False,
                           soft_wrap=True)

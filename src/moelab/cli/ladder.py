@@ -58,19 +58,21 @@ def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt =
                       f"{row['train_flops']:.3g}")
     out_console.print(table)
     out_console.print(lr_rule_text(r))
-    if preset is None:  # a preset's data is the frontier's (not on this machine); a recipe's is read
-        _warn_recipe(configs, r.target)
+    # a preset's data is the frontier's (not on this machine); a recipe's is read
+    _warn_recipe(configs, r.target, read_data=preset is None)
 
 
-def _warn_recipe(rungs, target) -> None:
-    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`) and each run that
-    would read a domain of its data more than once (`rungs.repeated_data`)."""
+def _warn_recipe(rungs, target, read_data: bool = True) -> None:
+    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`) and, with
+    `read_data`, each run that would read a domain of its data more than once (`rungs.repeated_data`)."""
     from moelab.ladder.rungs import repeated_data, short_rungs
     from moelab.train.loop import prepare_corpus
 
-    corpus = prepare_corpus(target)
-    sizes = {d: len(tokens) for d, tokens in corpus.train.items()}
-    for warning in short_rungs(rungs) + repeated_data(rungs + [target], sizes):
+    warnings = short_rungs(rungs)
+    if read_data:
+        sizes = {d: len(tokens) for d, tokens in prepare_corpus(target).train.items()}
+        warnings += repeated_data(rungs + [target], sizes)
+    for warning in warnings:
         print_problem("Warning", warning, "yellow")
 
 

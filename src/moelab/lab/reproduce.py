@@ -97,10 +97,11 @@ class StepComparison:
     per_step: list[tuple[int, str]]  # (logged step, verdict), in order
     first_difference: dict | None = None  # {step, metric, recorded, reproduced}: the first step with `verdict`
     params: str = "not compared"  # "equal", "differs", or "not compared" (a partial rerun, or no hash recorded)
+    run_sd: float | None = None  # the run sd its losses were held to (the stated one at this run's size)
 
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "until": self.until, "steps": self.steps, "compared_steps": len(self.per_step),
-                "first_difference": self.first_difference, "params": self.params}
+                "first_difference": self.first_difference, "params": self.params, "run_sd": self.run_sd}
 
 
 def _numbers(row: dict) -> dict[str, float]:
@@ -149,7 +150,7 @@ def compare_runs(name: str, recorded: Path, reproduced: Path, until: int, steps:
     first = differences.get(verdict)  # the first step of the run's verdict: where it diverged, or left bitwise
     if params == "differs" and verdict == REPRODUCED:  # every logged number equal, the weights not
         verdict, first = DIFFERS, {"step": steps, "metric": "params_sha256", "recorded": want, "reproduced": got}
-    return StepComparison(name, verdict, until, steps, per_step, first, params)
+    return StepComparison(name, verdict, until, steps, per_step, first, params, run_sd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,9 +331,12 @@ def _run_sd_at(noise: dict | None, cfg: RunConfig) -> float | None:
     how it scales with size (`ladder.fit.noise_scale`); an older sidecar has no scale."""
     if noise is None:
         return None
-    scale = noise_scale(count_params(cfg.model).active, float(noise.get("size_exponent", 0.0)),
-                        float(noise.get("ref_params", 1.0)))
-    return float(noise["run_sd"]) * scale
+    exponent, ref = noise.get("size_exponent", 0.0), noise.get("ref_params", 1.0)
+    if not (isinstance(exponent, (int, float)) and isinstance(ref, (int, float)) and ref > 0
+            and math.isfinite(exponent) and math.isfinite(ref)):
+        raise ConfigError(f"the record's ladder fit states noise size_exponent={exponent!r}, ref_params={ref!r}: not a "
+                          "scale `moelab ladder fit` writes; the bundle's prediction.json is damaged.")
+    return float(noise["run_sd"]) * noise_scale(count_params(cfg.model).active, float(exponent), float(ref))
 
 
 def _config(bundle: Bundle, name: str, overrides: dict[str, Any]) -> RunConfig:

@@ -18,7 +18,8 @@ Watching a run (`OnTrack` is a watcher of `moelab.train.loop.train`):
 
 Bands: the predictive distribution at a row is an equal-weight mixture over the bootstrap refits,
 each refit's prediction plus the new run's own noise, run_sd * t(run_dof) + checkpoint_sd *
-t(checkpoint_dof) (`fit.CurveBootstrap`). Student t rather than Gaussian because run_sd comes from a
+t(checkpoint_dof) (`fit.CurveBootstrap`), scaled to the new run's size where the fit is weighted
+(`fit.noise_scale`). Student t rather than Gaussian because run_sd comes from a
 handful of runs. On 40 synthetic 6-run ladders (about 2.4 dof) x 10 held-out runs, the Gaussian 95%
 band covered 84.6% of rows on average and under 90% on 45% of the ladders (those whose run_sd came
 out low); the t band covers 91.0% on average and under 90% on 22.5% of them. Both fall short because
@@ -540,9 +541,11 @@ def load_on_track(path: str | Path) -> OnTrack:
         try:
             noise = json.loads(sidecar.read_text())["noise"]
             # at the predicted run's size (a sidecar written before noise scaled with size has neither key)
-            scale = noise_scale(rows[0]["params"], float(noise.get("size_exponent", 0.0)),
-                                float(noise.get("ref_params", 1.0)))
-            checkpoint_sd = scale * float(noise["checkpoint_sd"])
+            exponent, ref = float(noise.get("size_exponent", 0.0)), float(noise.get("ref_params", 1.0))
+            if not (ref > 0 and math.isfinite(exponent) and math.isfinite(ref)):
+                raise ValueError(f"noise.ref_params={ref}, noise.size_exponent={exponent}")
+            params = rows[0]["params"]  # OnTrack refuses params <= 0 by name
+            checkpoint_sd = float(noise["checkpoint_sd"]) * (noise_scale(params, exponent, ref) if params > 0 else 1.0)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DataError(f"{sidecar} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it or "
                             "refit to rewrite it.") from None
