@@ -171,6 +171,23 @@ def test_forecast_is_the_conjugate_normal_update_with_halving_weights():
     assert offset > 0.05 and not f.inside(out)  # ~6% high: outside the +-5% final band
 
 
+def test_forecast_weighs_each_eval_by_the_checkpoint_sd_at_its_step():
+    """Per-step checkpoint sds (an early eval noisier than a late one, interpolated between planned
+    steps): each eval's weight is its halving weight over its own variance."""
+    f = ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02])
+    prior_sd = 0.1 / 1.959963984540054 / 2.0
+    sds = np.interp([100, 200, 300], [0, 300], [0.06, 0.02]) / 2.0
+    for step, rel in ((100, 0.04), (200, 0.06), (300, 0.08)):
+        out = f.update(step, np.interp(step, [0, 300], [3.0, 2.0]) * (1 + rel))
+    weights = 0.5 ** (np.array([2, 1, 0]) / HALF_LIFE) / sds**2
+    precision = 1 / prior_sd**2 + weights.sum()
+    assert out["forecast/final"] == pytest.approx(2.0 * (1 + weights @ [0.04, 0.06, 0.08] / precision), rel=1e-12)
+    flat = ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02)
+    early = [f2.update(100, np.interp(100, [0, 300], [3.0, 2.0]) * 1.04)["forecast/final"]
+             for f2 in (ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02]), flat)]
+    assert early[0] < early[1]  # the noisier early eval pulls the forecast less
+
+
 def _pred_rows(steps, loss_pred, half=0.03):
     return [{"run": "main", "params": 1e6, "step": float(s), "tokens": float(s) * 100, "lr": 1e-3,
              "loss_pred": p, "lo80": p * (1 - half / 1.5), "hi80": p * (1 + half / 1.5),

@@ -366,6 +366,51 @@ def test_a_bands_new_run_noise_is_scaled_to_the_runs_size():
         np.testing.assert_allclose(got[column], want[column], rtol=1e-12)
 
 
+def _early_noisy_ladder(rng, factor, seeds=2):
+    """Six sizes x `seeds` runs whose checkpoint noise is `factor` times larger before 40% of a run's tokens."""
+    runs = []
+    for run in _shrinking_ladder(rng, kappa=0.0, seeds=seeds, checkpoint_sd=0.0):
+        progress = run.tokens / run.tokens[-1]
+        noise = 0.005 * np.where(progress < 0.4, factor, 1.0) * rng.standard_normal(len(progress))
+        runs.append(Run(run.name, run.params, run.steps, run.tokens, run.lr, run.loss + noise))
+    return runs
+
+
+def test_bootstrap_reads_a_checkpoint_noise_that_falls_with_progress_and_leaves_equal_noise_flat():
+    """Checkpoint noise 3x larger before 40% of each run: the profile is non-increasing, its first bin
+    2-4x its last (2.2-3.5 on seeds 0-7: isotonic pooling and the fit's own share of the noise pull it
+    below 3), and its mean square over the fitted rows is 1. Equal noise: no profile on all 8 seeds
+    (the per-run test keeps it flat), so every row keeps the one checkpoint sd."""
+    from moelab.ladder.fit import PROGRESS_EDGES, progress_bin
+
+    runs = _early_noisy_ladder(np.random.default_rng(5), factor=3.0)
+    bootstrap = bootstrap_curve_law(runs, fit_curve_law(runs), num_samples=5)
+    profile = np.array(bootstrap.progress_scale)
+    assert len(profile) == len(PROGRESS_EDGES) - 1 and np.all(np.diff(profile) <= 1e-12)
+    assert 2.0 <= profile[0] / profile[-1] <= 4.0, profile
+    bins = progress_bin(np.concatenate([(r.tokens / r.tokens[-1])[fitted_rows(r)] for r in runs]))
+    assert np.mean(profile[bins] ** 2) == pytest.approx(1.0, rel=1e-9)
+    flat = _early_noisy_ladder(np.random.default_rng(5), factor=1.0)
+    assert bootstrap_curve_law(flat, fit_curve_law(flat), num_samples=5).progress_scale == ()
+
+
+def test_a_bands_checkpoint_noise_follows_the_progress_profile_row_by_row():
+    """Each row's band equals the band of a bootstrap whose checkpoint sd is scaled by its bin's value."""
+    from moelab.ladder.fit import PROGRESS_EDGES
+
+    run = Run("x", 1e7, np.arange(20, 501, 20), np.arange(20, 501, 20) * 1e4, np.full(25, 1e-3))
+    profile = tuple(np.linspace(2.0, 0.6, len(PROGRESS_EDGES) - 1))
+    shaped = CurveBootstrap((TRUE,) * 20, run_sd=0.01, run_dof=5, checkpoint_sd=0.01, checkpoint_dof=200,
+                            progress_scale=profile)
+    got = predict_with_bands(TRUE, shaped, run)
+    levels = shaped.checkpoint_scale(run.tokens / run.tokens[-1])
+    assert levels[0] == 2.0 and levels[-1] == pytest.approx(0.6)
+    for i, level in enumerate(levels):
+        want = predict_with_bands(TRUE, CurveBootstrap((TRUE,) * 20, 0.01, 5, 0.01 * level, 200), run)
+        for column in BAND_COLUMNS:
+            assert got[column][i] == pytest.approx(want[column][i], rel=1e-12)
+
+
 def test_weighted_fit_bands_cover_larger_held_out_runs_when_noise_shrinks_with_size():
     """Ladders of 12 runs whose noise falls as N^-0.7; held out: runs at 2x the largest size, with
     their own (smaller) noise. The weighted fit must find the fall and its 95% band must still cover
@@ -504,6 +549,20 @@ def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_t
     (tmp_path / "PRED.json").write_text(json.dumps(sidecar))
     with pytest.raises(DataError, match="is not the sidecar `moelab ladder fit` writes"):
         load_on_track(tmp_path / "PRED.csv")
+
+
+def test_the_watcher_weighs_each_eval_by_the_sidecars_progress_profile(target_csv, tmp_path):
+    """The forecast's per-step checkpoint sd is the sidecar's sd times the profile at that step's progress."""
+    curves = tmp_path / "CURVES.csv"
+    _write_csv(curves, ["run", "params", "step", "tokens", "lr", "loss"],
+               _curve_rows(_early_noisy_ladder(np.random.default_rng(5), factor=3.0)))
+    noise = fit_curves(curves, target_csv, tmp_path / "PRED.csv", num_bootstrap=20)["noise"]
+    profile = noise["progress_scale"]
+    assert len(profile) == len(noise["progress_edges"]) - 1 and profile[0] > 2 * profile[-1]
+    forecast = load_on_track(tmp_path / "PRED.csv").forecast
+    sd = noise["checkpoint_sd"] * (3e8 / noise["ref_params"]) ** -noise["size_exponent"] / forecast.final_pred
+    assert forecast._eval_sd[0] == pytest.approx(sd * profile[0], rel=1e-9)  # the target's step 1
+    assert forecast.eval_sd == pytest.approx(sd * profile[-1], rel=1e-9)
 
 
 def test_read_curves_round_trips_the_runs_written_to_csv(curves_csv, ladder_runs):

@@ -15,7 +15,10 @@ w_j = 2^-(age_j / HALF_LIFE) discount older evals: a run that drifts (an LR too 
 its gap, a spike opens one) is judged by where it is now, and the evidence never counts as more than
 ~HALF_LIFE / ln 2 + 1 evals, so the forecast keeps the per-eval noise in its band. s_e is the fit's
 checkpoint noise relative to the final loss when the prediction's sidecar JSON has it (`noise`),
-else s0: one eval is worth as much as the whole ladder.
+else s0: one eval is worth as much as the whole ladder. The checkpoint noise may be given per planned
+step (s_e,j, interpolated to each eval's step): a run's early evals stray further from the law than
+its late ones, so they pull the forecast less (precision 1/s0^2 + sum_j w_j / s_e,j^2, mean
+sum_j w_j r_j / s_e,j^2 over it).
 
     forecast = ForecastFinal(pred_steps, loss_pred, lo95_final, hi95_final, checkpoint_sd)
     forecast.update(step, loss)   # -> {"forecast/final": ..., "forecast/lo95": ..., "forecast/hi95": ...}
@@ -41,23 +44,28 @@ class ForecastFinal:
     """The posterior of a run's final loss after each eval; see the module docstring."""
 
     def __init__(self, steps: Sequence[float], loss_pred: Sequence[float], lo95: float, hi95: float,
-                 checkpoint_sd: float | None = None):
+                 checkpoint_sd: float | Sequence[float] | None = None):
         self._steps = np.asarray(steps, dtype=np.float64)
         self._pred = np.asarray(loss_pred, dtype=np.float64)
         self.final_pred, self.lo95, self.hi95 = float(self._pred[-1]), float(lo95), float(hi95)
         self.prior_sd = max((self.hi95 - self.lo95) / (2 * _Z95) / self.final_pred, 1e-9)
-        self.eval_sd = checkpoint_sd / self.final_pred if checkpoint_sd else self.prior_sd
+        sd = np.broadcast_to(np.asarray(checkpoint_sd if checkpoint_sd is not None else 0.0, dtype=np.float64),
+                             self._steps.shape)
+        self._eval_sd = np.where(sd > 0, sd / self.final_pred, self.prior_sd)  # per planned step, relative
+        self.eval_sd = float(self._eval_sd[-1])  # at the final step
         self._residuals: list[float] = []
+        self._variances: list[float] = []
 
     def update(self, step: int, loss: float) -> dict[str, float]:
         """Take one eval (a non-finite loss is skipped); the forecast and its 95% band after it."""
         pred = float(np.interp(step, self._steps, self._pred))
         if math.isfinite(loss) and math.isfinite(pred) and pred > 0:
             self._residuals.append(loss / pred - 1.0)
+            self._variances.append(float(np.interp(step, self._steps, self._eval_sd)) ** 2)
         ages = np.arange(len(self._residuals))[::-1]
-        weights = 0.5 ** (ages / HALF_LIFE)
-        precision = 1.0 / self.prior_sd**2 + weights.sum() / self.eval_sd**2
-        offset = float(weights @ np.asarray(self._residuals)) / self.eval_sd**2 / precision if self._residuals else 0.0
+        weights = 0.5 ** (ages / HALF_LIFE) / np.asarray(self._variances)
+        precision = 1.0 / self.prior_sd**2 + weights.sum()
+        offset = float(weights @ np.asarray(self._residuals)) / precision if self._residuals else 0.0
         half = _Z95 / math.sqrt(precision)
         return {"forecast/final": self.final_pred * (1 + offset),
                 "forecast/lo95": self.final_pred * (1 + offset - half),

@@ -19,7 +19,8 @@ Watching a run (`OnTrack` is a watcher of `moelab.train.loop.train`):
 Bands: the predictive distribution at a row is an equal-weight mixture over the bootstrap refits,
 each refit's prediction plus the new run's own noise, run_sd * t(run_dof) + checkpoint_sd *
 t(checkpoint_dof) (`fit.CurveBootstrap`), scaled to the new run's size where the fit is weighted
-(`fit.noise_scale`). Student t rather than Gaussian because run_sd comes from a
+(`fit.noise_scale`), the checkpoint term also to the row's progress through the run where the runs
+stray further early (`fit.checkpoint_scale`). Student t rather than Gaussian because run_sd comes from a
 handful of runs. On 40 synthetic 6-run ladders (about 2.4 dof) x 10 held-out runs, the Gaussian 95%
 band covered 84.6% of rows on average and under 90% on 45% of the ladders (those whose run_sd came
 out low); the t band covers 91.0% on average and under 90% on 22.5% of them. Both fall short because
@@ -58,6 +59,8 @@ from moelab.ladder.fit import (
     curve_losses,
     envelope_compute,
     fit_curve_law,
+    PROGRESS_EDGES,
+    checkpoint_scale,
     fitted_rows,
     noise_scale,
     past_warmup,
@@ -173,16 +176,16 @@ def read_target(path: str | Path) -> list[Run]:
 # bands
 
 
-def _noise_cdf(bootstrap: CurveBootstrap, params: float) -> tuple[np.ndarray, np.ndarray]:
-    """(x, G(x)) on a grid: the CDF of a new run's noise, (run_sd * t(run_dof) + checkpoint_sd * t(checkpoint_dof))
-    times the noise scale of a run of `params` (`CurveBootstrap.noise_scale`).
+def _noise_cdf(bootstrap: CurveBootstrap, params: float, progress_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(x, G(x)) on a grid: the CDF of a new run's noise, (run_sd * t(run_dof) + progress_scale * checkpoint_sd *
+    t(checkpoint_dof)) times the noise scale of a run of `params` (`CurveBootstrap.noise_scale`).
 
     Each term's probability mass per grid bin comes from its CDF; the sum's mass is their discrete
     convolution. Bins are 1/8 of the narrower sd (one below 1% of the other is left out: it cannot
     move a quantile visibly) and the grid spans both terms' 0.01% tails.
     """
     scale = bootstrap.noise_scale(params)
-    terms = [(max(scale * bootstrap.checkpoint_sd, 1e-9), bootstrap.checkpoint_dof)]  # a noiseless fit keeps a CDF
+    terms = [(max(scale * progress_scale * bootstrap.checkpoint_sd, 1e-9), bootstrap.checkpoint_dof)]  # keeps a CDF
     if bootstrap.run_dof > 0:
         terms.append((scale * bootstrap.run_sd, bootstrap.run_dof))
     largest = max(sd for sd, _ in terms)
@@ -215,7 +218,12 @@ def _mixture_quantiles(centres: np.ndarray, noise: tuple[np.ndarray, np.ndarray]
 def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run) -> dict[str, np.ndarray]:
     """`BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring."""
     centres = curve_losses(bootstrap.laws, run)
-    quantiles = _mixture_quantiles(centres, _noise_cdf(bootstrap, run.params), list(_QUANTILES.values()))
+    levels = bootstrap.checkpoint_scale(run.tokens / run.tokens[-1])  # a few distinct values, one per progress bin
+    quantiles = np.empty((len(_QUANTILES), len(levels)))
+    for level in np.unique(levels):
+        rows = levels == level
+        quantiles[:, rows] = _mixture_quantiles(centres[:, rows], _noise_cdf(bootstrap, run.params, float(level)),
+                                                list(_QUANTILES.values()))
     # A cross-entropy is never negative: the additive noise model's tail below 0 (a band resting on
     # one or two degrees of freedom reaches there) is mass at 0, so quantiles there read 0.
     bands = {k: np.maximum(q, 0.0) for k, q in zip(_QUANTILES, quantiles)}
@@ -337,7 +345,8 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
         "params": {k: getattr(law, v) for k, v in names.items()},
         "params_95": {k: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))] for k, v in refits.items()},
         "noise": {"run_sd": bootstrap.run_sd, "checkpoint_sd": bootstrap.checkpoint_sd, "run_dof": bootstrap.run_dof,
-                  "size_exponent": bootstrap.noise_exponent, "ref_params": bootstrap.noise_ref},
+                  "size_exponent": bootstrap.noise_exponent, "ref_params": bootstrap.noise_ref,
+                  "progress_edges": list(PROGRESS_EDGES), "progress_scale": list(bootstrap.progress_scale)},
         "fit": {"runs": len(curves), "rows": int(sum(len(r.steps) for r in curves)),
                 "rows_fitted": int(sum(fitted_rows(r).sum() for r in curves)), "rmse": law.rmse,
                 "sizes": sorted({r.params for r in curves})},
@@ -458,12 +467,12 @@ class OnTrack:
     another run (`check_run`), and gives each eval's record its `on_track` state, the forecast
     (`forecast/final`, `forecast/lo95`, `forecast/hi95`) and, when the run goes off track or its
     forecast leaves the final band, the incident (`watch`). `source` names the prediction in the warning.
-    `checkpoint_sd` (the fit's per-eval noise, from the prediction's sidecar JSON) sets how much one eval
-    moves the forecast.
+    `checkpoint_sd` (the fit's per-eval noise, from the prediction's sidecar JSON: one value, or one per
+    planned step of the run) sets how much one eval moves the forecast.
     """
 
     def __init__(self, pred_rows: Sequence[dict], run: str | None = None, source: str = "the prediction",
-                 checkpoint_sd: float | None = None):
+                 checkpoint_sd: float | Sequence[float] | None = None):
         names = list(dict.fromkeys(row["run"] for row in pred_rows))
         if not names:
             raise DataError("the prediction has no rows; run `moelab ladder fit` to write PRED.csv first.")
@@ -546,6 +555,12 @@ def load_on_track(path: str | Path) -> OnTrack:
                 raise ValueError(f"noise.ref_params={ref}, noise.size_exponent={exponent}")
             params = rows[0]["params"]  # OnTrack refuses params <= 0 by name
             checkpoint_sd = float(noise["checkpoint_sd"]) * (noise_scale(params, exponent, ref) if params > 0 else 1.0)
+            profile = [float(v) for v in noise.get("progress_scale", [])]
+            if profile:  # per planned step: a run's early evals stray further from the law than its late ones
+                if len(profile) != len(PROGRESS_EDGES) - 1 or min(profile) <= 0:
+                    raise ValueError(f"noise.progress_scale={profile}")
+                tokens = np.array([r["tokens"] for r in rows if r["run"] == rows[0]["run"]])
+                checkpoint_sd = checkpoint_sd * checkpoint_scale(tokens / tokens[-1], profile)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DataError(f"{sidecar} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it or "
                             "refit to rewrite it.") from None
