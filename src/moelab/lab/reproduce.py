@@ -59,6 +59,7 @@ from moelab.lab.experiment import Progress
 from moelab.lab.ledger import Record, append, check_chain, open_ledger, records
 from moelab.lab.report import REPRODUCTION
 from moelab.ladder.fit import noise_scale
+from moelab.ladder.predict import size_scale_of
 from moelab.train.outputs import CONFIG, METRICS, SUMMARY, read_jsonl
 
 __all__ = ["REPRODUCED", "WITHIN_NOISE", "DIFFERS", "NOISE_FACTOR", "StepComparison", "Reproduction",
@@ -331,12 +332,13 @@ def _run_sd_at(noise: dict | None, cfg: RunConfig) -> float | None:
     how it scales with size (`ladder.fit.noise_scale`); an older sidecar has no scale."""
     if noise is None:
         return None
-    exponent, ref = noise.get("size_exponent", 0.0), noise.get("ref_params", 1.0)
-    if not (isinstance(exponent, (int, float)) and isinstance(ref, (int, float)) and ref > 0
-            and math.isfinite(exponent) and math.isfinite(ref)):
-        raise ConfigError(f"the record's ladder fit states noise size_exponent={exponent!r}, ref_params={ref!r}: not a "
-                          "scale `moelab ladder fit` writes; the bundle's prediction.json is damaged.")
-    return float(noise["run_sd"]) * noise_scale(count_params(cfg.model).active, float(exponent), float(ref))
+    try:
+        exponent, ref = size_scale_of(noise)
+    except ValueError:
+        raise ConfigError(f"the record's ladder fit states noise size_exponent={noise.get('size_exponent')!r}, "
+                          f"ref_params={noise.get('ref_params')!r}: not a scale `moelab ladder fit` writes; the "
+                          "bundle's prediction.json is damaged.") from None
+    return float(noise["run_sd"]) * noise_scale(count_params(cfg.model).active, exponent, ref)
 
 
 def _config(bundle: Bundle, name: str, overrides: dict[str, Any]) -> RunConfig:

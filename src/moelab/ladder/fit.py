@@ -400,7 +400,7 @@ class CurveBootstrap:
 
     def noise_scale(self, params: float) -> float:
         """How much noisier than at noise_ref a run of `params` is (`fit.noise_scale`)."""
-        return noise_scale(params, self.noise_exponent, self.noise_ref)
+        return float(noise_scale(params, self.noise_exponent, self.noise_ref))
 
     def checkpoint_scale(self, progress) -> np.ndarray:
         """[R] the checkpoint sd's multiplier at each row's progress (tokens / the run's last tokens)."""
@@ -499,6 +499,7 @@ class _Rows:
     log_params: np.ndarray  # [n] log N of each row's run
     log_s1: np.ndarray  # [n]
     loss: np.ndarray  # [n]
+    progress: np.ndarray  # [n] tokens / the run's last tokens (`progress_bin`)
     counts: np.ndarray  # [R] fitted rows per run, in run order
     anneal: interpolate.CubicSpline  # log tau -> [n] S2 at the fitted rows
     max_log_tau: float
@@ -513,7 +514,7 @@ class _Rows:
     @property
     def scale(self) -> np.ndarray:
         """[n] each row's noise_scale: residuals divided by it have one variance at every size."""
-        return np.exp(-self.noise_exponent * (self.log_params - math.log(self.noise_ref)))
+        return noise_scale(np.exp(self.log_params), self.noise_exponent, self.noise_ref)
 
     def split(self, values: np.ndarray) -> list[np.ndarray]:
         """[n] values -> one array per run."""
@@ -539,6 +540,7 @@ def _rows(runs: Sequence[Run]) -> _Rows:
         log_params=np.concatenate([np.full(keep.sum(), math.log(run.params)) for run, keep in zip(runs, keeps)]),
         log_s1=np.concatenate([np.log(effective_tokens(run)[keep]) for run, keep in zip(runs, keeps)]),
         loss=np.concatenate([run.loss[keep] for run, keep in zip(runs, keeps)]),
+        progress=np.concatenate([(run.tokens / run.tokens[-1])[keep] for run, keep in zip(runs, keeps)]),
         counts=np.array([keep.sum() for keep in keeps]),
         anneal=interpolate.CubicSpline(knots, table, axis=0),
         max_log_tau=max_log_tau,
@@ -602,9 +604,10 @@ def _check_ladder(runs: Sequence[Run]) -> _Rows:
     return rows
 
 
-def noise_scale(params: float, exponent: float, ref: float) -> float:
-    """(params / ref)^-exponent: how much a run of `params` strays from the law, relative to one at `ref`."""
-    return float((params / ref) ** -exponent)
+def noise_scale(params, exponent: float, ref: float):
+    """(params / ref)^-exponent: how much a run of `params` strays from the law, relative to one at `ref`
+    (a number, or an array for an array of params)."""
+    return (params / ref) ** -exponent
 
 
 def _noise_exponent(rows: _Rows, law: CurveLaw) -> tuple[float, float]:
@@ -803,14 +806,13 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     scale = rows.scale
     residuals = rows.split((rows.loss - predicted) / scale)  # in units of a run at noise_ref
     run_var, run_dof, checkpoint_var, checkpoint_dof = _variance_components(residuals, jacobian / scale[:, None])
-    run_progress = [(run.tokens / run.tokens[-1])[fitted_rows(run)] for run in runs]
-    profile = _progress_profile([r - r.mean() for r in residuals], run_progress)
+    within = [r - r.mean() for r in residuals]
+    profile = _progress_profile(within, rows.split(rows.progress))
 
     offsets = np.array([r.mean() for r in residuals])
     centred = offsets - offsets.mean()
     spread = float(np.mean(centred**2))
     run_draws = centred * math.sqrt(run_var / spread) if run_var > 0 and spread > 0 else np.zeros(len(residuals))
-    within = [r - r.mean() for r in residuals]
     mean_square = float(sum(np.sum(w**2) for w in within)) / len(rows.loss)
     shrink = math.sqrt(checkpoint_var / mean_square) if mean_square > 0 else 0.0
     rng = np.random.default_rng(seed)

@@ -50,6 +50,7 @@ from moelab.errors import ConfigError, DataError
 from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.fit import (
     EXPONENT_BOUNDS,
+    PROGRESS_EDGES,
     CurveBootstrap,
     CurveLaw,
     EnvelopeFit,
@@ -59,7 +60,6 @@ from moelab.ladder.fit import (
     curve_losses,
     envelope_compute,
     fit_curve_law,
-    PROGRESS_EDGES,
     checkpoint_scale,
     fitted_rows,
     noise_scale,
@@ -81,6 +81,7 @@ __all__ = [
     "load_prediction",
     "TrackCheck",
     "OnTrack",
+    "size_scale_of",
     "load_on_track",
     "sidecar_path",
     "compute_equivalent_speedup",
@@ -543,16 +544,23 @@ def sidecar_path(pred_path: str | Path) -> Path:
     return Path(pred_path).with_suffix(".json")
 
 
+def size_scale_of(noise: dict) -> tuple[float, float]:
+    """(size_exponent, ref_params) of a sidecar's `noise`, for `fit.noise_scale`: (0, 1), no scaling,
+    for a sidecar written before noise scaled with size. ValueError for values `ladder fit` never writes."""
+    exponent, ref = noise.get("size_exponent", 0.0), noise.get("ref_params", 1.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (exponent, ref)) \
+            or ref <= 0:
+        raise ValueError(f"noise.size_exponent={exponent!r}, noise.ref_params={ref!r}")
+    return float(exponent), float(ref)
+
+
 def load_on_track(path: str | Path) -> OnTrack:
     """The on-track watcher of PRED.csv's run (its only one), with the fit's noise from its sidecar if present."""
     sidecar, checkpoint_sd, rows = sidecar_path(path), None, load_prediction(path)
     if sidecar.is_file():
         try:
             noise = json.loads(sidecar.read_text())["noise"]
-            # at the predicted run's size (a sidecar written before noise scaled with size has neither key)
-            exponent, ref = float(noise.get("size_exponent", 0.0)), float(noise.get("ref_params", 1.0))
-            if not (ref > 0 and math.isfinite(exponent) and math.isfinite(ref)):
-                raise ValueError(f"noise.ref_params={ref}, noise.size_exponent={exponent}")
+            exponent, ref = size_scale_of(noise)  # the noise at the predicted run's size
             params = rows[0]["params"]  # OnTrack refuses params <= 0 by name
             checkpoint_sd = float(noise["checkpoint_sd"]) * (noise_scale(params, exponent, ref) if params > 0 else 1.0)
             profile = [float(v) for v in noise.get("progress_scale", [])]
