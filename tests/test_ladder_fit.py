@@ -16,6 +16,7 @@ import pytest
 from helpers import run_cli
 
 from moelab.errors import ConfigError, DataError
+from moelab.ladder import fit
 from moelab.ladder.fit import (
     ChinchillaFit,
     CurveBootstrap,
@@ -234,6 +235,39 @@ def test_curve_law_fit_recovers_the_generating_law_from_noisy_curves():
     for name, rel in tolerance.items():
         assert getattr(law, name) == pytest.approx(getattr(TRUE, name), rel=rel), name
     assert law.rmse == pytest.approx(0.005, rel=0.15)
+
+
+def test_a_ladder_that_pins_alpha_overrules_the_prior_on_it():
+    """The prior weighs like one more run, by the noise of a run's rows: 0 on noiseless curves, where a
+    law with alpha = 1.2, 3.4 prior sds above its median, is still recovered exactly."""
+    far = replace(TRUE, a=3e7, alpha=1.2)
+    rng = np.random.default_rng(0)
+    runs = [_synthetic_run(f"r{i}", n, 400 + 200 * i, KINDS[i], rng, law=far) for i, n in enumerate(np.geomspace(1e6, 1e8, 6))]
+    law = fit_curve_law(runs)
+    assert law.alpha == pytest.approx(1.2, rel=1e-3)
+    assert law.prior_weight < 1e-7  # rounding: a noisy ladder's is ~1e-3
+
+
+def test_the_alpha_prior_pulls_a_size_exponent_that_three_sizes_cannot_pin_toward_its_median(monkeypatch):
+    """Three sizes x 2 seeds with run offsets (sd 0.02): E, A and alpha rest on three run levels.
+    Penalized, log alpha lies nearer the prior's median than unpenalized (f + w z^2 at its minimum
+    cannot have a larger z^2 than f alone), the prior's weight is the noise of one run's rows in the sum
+    of squares (m * run_var + checkpoint_var, m rows per run), and the rows are fitted almost as well."""
+    rng = np.random.default_rng(8)  # unpenalized alpha 0.16 (truth 0.3); on seeds 0-11 it ranged 0.16-0.49
+    runs = [_synthetic_run(f"r{i}-{s}", n, 400 + 200 * i, KINDS[i], rng, 20, 0.02, 0.005)
+            for i, n in enumerate(np.geomspace(1e6, 1e8, 3)) for s in range(2)]
+    penalized = fit_curve_law(runs)
+    z = fit.alpha_prior_z
+    monkeypatch.setattr(fit, "ALPHA_PRIOR", None)
+    free = fit_curve_law(runs)
+    assert free.noise_exponent == 0.0 and free.prior_weight == 0.0
+    monkeypatch.undo()
+    assert abs(z(penalized.alpha)) < abs(z(free.alpha)) - 0.1, (penalized.alpha, free.alpha)
+    rows = sum(int(fitted_rows(r).sum()) for r in runs) / len(runs)
+    # m * run_var + checkpoint_var with run sd 0.02; run_var rests on 6 runs, 3 levels of which E, A
+    # and alpha absorb, so it scatters by a factor of 2 or more (here 0.012^2)
+    assert rows * 0.02**2 / 4 < penalized.prior_weight < 2 * rows * 0.02**2
+    assert penalized.rmse < 1.2 * free.rmse
 
 
 @pytest.mark.parametrize("run_dof", [3, 10**6])

@@ -50,6 +50,11 @@ grid point.
    Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
    Least squares on loss (not Huber): the curve residuals feed the Gaussian bands of `predict`.
 
+   A ladder spans a few sizes within 2-3x, too little for E, A and alpha on their own: the data
+   trade a floor E against a steep alpha. So log alpha carries a prior, Normal(log 0.35, log 2)
+   (`ALPHA_PRIOR`: where Chinchilla-form fits of LMs land), weighted as one more run
+   (`fit_curve_law`): a ladder whose sizes pin alpha overrules it, one that cannot leans on it.
+
 Bands come from `bootstrap_curve_law`, a two-level residual bootstrap: every resample keeps every
 run at its own size and redraws its residuals as one run offset (resampled across runs) plus the
 run's own within-run residual curve with a random sign, then refits; `predict` adds each new run's
@@ -108,6 +113,13 @@ _LBFGS_OPTIONS = {"ftol": 1e-14, "gtol": 1e-10, "maxiter": 1000}
 # A row counts as "at the peak LR" within this relative distance: CSVs print LRs rounded.
 _PEAK_TOLERANCE = 1e-6
 EXPONENT_BOUNDS = (0.01, 3.0)  # the search range of alpha and beta in the curve law
+# A prior on the size exponent: log alpha ~ Normal(log 0.35, log 2), i.e. alpha within 0.09..1.4 at 2 sd.
+# 0.35 is where Chinchilla-form fits of dense LMs land (Hoffmann et al. 2022: 0.34; Besiroglu et al.
+# 2024's refit: 0.35). A ladder of 3-4 sizes cannot pin E, A and alpha on its own: on our CPU ladders the
+# unpenalized fits came out at alpha = 1.9 (E = 1.39, a floor just under the target) and at alpha = 0.055
+# with E = 0 (a floor at zero), each with E's bootstrap interval spanning [0, 1.4]. The prior counts as
+# one run's worth of evidence (`fit_curve_law`), so a ladder whose sizes do pin alpha overrules it. None: no prior.
+ALPHA_PRIOR: tuple[float, float] | None = (0.35, math.log(2.0))
 # How fast a run's noise may fall with its size, residual sd ~ N^-kappa (`fit_curve_law`). Capped at 1:
 # a steeper fall, read off a few sizes and extrapolated to the target, would make its band too narrow.
 NOISE_EXPONENT_BOUNDS = (0.0, 1.0)
@@ -371,6 +383,7 @@ class CurveLaw:
     # The fit's weights (`noise_scale`): a run's residuals were taken to scale as (N / noise_ref)^-noise_exponent.
     noise_exponent: float = 0.0
     noise_ref: float = 1.0
+    prior_weight: float = 0.0  # the weight of ALPHA_PRIOR's penalty in the fit's sum of squares (`fit_curve_law`)
 
 
 @dataclass(frozen=True)
@@ -506,6 +519,7 @@ class _Rows:
     size: float | None  # the one params every run has, else None
     noise_exponent: float = 0.0  # the rows are weighted by 1 / noise_scale(N)^2 (`fit_curve_law`)
     noise_ref: float = 1.0
+    prior_weight: float = 0.0  # ALPHA_PRIOR's penalty is prior_weight * z^2 (`fit_curve_law`)
 
     @property
     def one_size(self) -> bool:
@@ -570,7 +584,7 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
         return (np.insert(coefs, 1, 0.0) if one_size else coefs), float(rnorm**2)
 
     def sse(p):
-        return project(p)[1]
+        return project(p)[1] + rows.prior_weight * alpha_prior_z(p[0]) ** 2
 
     bounds = [EXPONENT_BOUNDS, EXPONENT_BOUNDS, (0.0, rows.max_log_tau)]
     if start is None:
@@ -586,7 +600,15 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
     return CurveLaw(float(e), float(a * math.exp(alpha * ref_n)), 0.0 if one_size else float(alpha),
                     float(b * math.exp(beta * ref_s)), float(beta), float(c), math.exp(log_tau),
                     float(np.sqrt(np.mean((rows.loss - fitted) ** 2))), rows.size, rows.noise_exponent,
-                    rows.noise_ref)
+                    rows.noise_ref, rows.prior_weight)
+
+
+def alpha_prior_z(alpha: float) -> float:
+    """How many prior sds log alpha lies from ALPHA_PRIOR's median (0 without a prior)."""
+    if ALPHA_PRIOR is None:
+        return 0.0
+    median, log_sd = ALPHA_PRIOR
+    return (math.log(alpha) - math.log(median)) / log_sd
 
 
 def _check_ladder(runs: Sequence[Run]) -> _Rows:
@@ -688,13 +710,24 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     exponent kappa), then weighted by N^(2 kappa) (generalized least squares; Carroll & Ruppert 1988,
     "Transformation and Weighting in Regression", ch. 3: estimate the variance function from a first
     fit's residuals, then refit). The bands use the same scale (`bootstrap_curve_law`).
+
+    Then once more with ALPHA_PRIOR's penalty w * z^2 added to the sum of squares (z: how many prior
+    sds log alpha lies from the median). w is the noise of one run's rows in that sum, m * run_var +
+    checkpoint_var (m rows per run, the variances of `_variance_components`): alpha moves a run's
+    rows together, so the prior weighs like one more run's level. Noiseless curves give w = 0.
     """
     rows = _check_ladder(runs)
     law = _fit_rows(rows, start=None)
     exponent, ref = _noise_exponent(rows, law)
-    if exponent == 0.0:
-        return replace(law, noise_ref=ref)
-    return _fit_rows(replace(rows, noise_exponent=exponent, noise_ref=ref), start=None)
+    rows = replace(rows, noise_exponent=exponent, noise_ref=ref)
+    law = _fit_rows(rows, start=None) if exponent > 0 else replace(law, noise_ref=ref)
+    if rows.one_size or ALPHA_PRIOR is None:
+        return law
+    predicted, jacobian = _linearize(rows, law)
+    residuals = rows.split((rows.loss - predicted) / rows.scale)
+    run_var, _, checkpoint_var, _ = _variance_components(residuals, jacobian / rows.scale[:, None])
+    weight = float(np.mean(rows.counts)) * run_var + checkpoint_var
+    return _fit_rows(replace(rows, prior_weight=weight), start=None)
 
 
 def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
@@ -801,7 +834,8 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     `CurveBootstrap.progress_scale`); the refits do not use it (they resample whole residual curves,
     which carry it already), the bands and the live forecast do.
     """
-    rows = replace(_check_ladder(runs), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref)
+    rows = replace(_check_ladder(runs), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
+                   prior_weight=law.prior_weight)
     predicted, jacobian = _linearize(rows, law)
     scale = rows.scale
     residuals = rows.split((rows.loss - predicted) / scale)  # in units of a run at noise_ref

@@ -48,6 +48,7 @@ from moelab.accounting import count_params
 from moelab.config import RunConfig
 from moelab.errors import ConfigError, DataError
 from moelab.ladder import NUM_BOOTSTRAP
+from moelab.ladder import fit
 from moelab.ladder.fit import (
     EXPONENT_BOUNDS,
     PROGRESS_EDGES,
@@ -350,7 +351,10 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
                   "progress_edges": list(PROGRESS_EDGES), "progress_scale": list(bootstrap.progress_scale)},
         "fit": {"runs": len(curves), "rows": int(sum(len(r.steps) for r in curves)),
                 "rows_fitted": int(sum(fitted_rows(r).sum() for r in curves)), "rmse": law.rmse,
-                "sizes": sorted({r.params for r in curves})},
+                "sizes": sorted({r.params for r in curves}),
+                "alpha_prior": (None if law.prior_weight == 0 else
+                                {"median": fit.ALPHA_PRIOR[0], "log_sd": fit.ALPHA_PRIOR[1],
+                                 "weight": law.prior_weight, "z": fit.alpha_prior_z(law.alpha)})},
         "bootstrap": {"samples": num_bootstrap, "seed": seed,
                       "unit": "runs: resampled offsets + sign-flipped residual curves"},
         "targets": final,
