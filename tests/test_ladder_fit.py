@@ -578,6 +578,9 @@ def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_t
                               str(tmp_path / "CLI.csv"), "--bootstrap", "20"], monkeypatch, capsys)
     assert code == 0, err
     assert f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f}" in " ".join(out.split())
+    prior = summary["fit"]["alpha_prior"]
+    assert prior["weight"] > 0 and prior["z"] == pytest.approx(fit.alpha_prior_z(summary["params"]["alpha"]))
+    assert f"the fitted alpha sits {prior['z']:+.2f} sd from it" in " ".join(out.split())
     sidecar = json.loads((tmp_path / "PRED.json").read_text())
     sidecar["noise"]["ref_params"] = 0
     (tmp_path / "PRED.json").write_text(json.dumps(sidecar))
