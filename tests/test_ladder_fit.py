@@ -239,7 +239,7 @@ def test_curve_law_fit_recovers_the_generating_law_from_noisy_curves():
 
 def test_a_ladder_that_pins_alpha_overrules_the_prior_on_it():
     """The prior weighs like one more run, by the noise of a run's rows: 0 on noiseless curves, where a
-    law with alpha = 1.2, 3.4 prior sds above its median, is still recovered exactly."""
+    law with alpha = 1.2, 1.8 prior sds above its median, is still recovered exactly."""
     far = replace(TRUE, a=3e7, alpha=1.2)
     rng = np.random.default_rng(0)
     runs = [_synthetic_run(f"r{i}", n, 400 + 200 * i, KINDS[i], rng, law=far) for i, n in enumerate(np.geomspace(1e6, 1e8, 6))]
@@ -268,6 +268,18 @@ def test_the_alpha_prior_pulls_a_size_exponent_that_three_sizes_cannot_pin_towar
     # and alpha absorb, so it scatters by a factor of 2 or more (here 0.012^2)
     assert rows * 0.02**2 / 4 < penalized.prior_weight < 2 * rows * 0.02**2
     assert penalized.rmse < 1.2 * free.rmse
+
+
+def test_with_one_run_per_size_the_prior_weighs_one_checkpoint():
+    """Three runs at three sizes: E, A and alpha absorb every run level, so the run spread is
+    unknown (run_dof = 0) and w is the lower end, one checkpoint's variance: the fit stays with the data."""
+    rng = np.random.default_rng(8)
+    runs = [_synthetic_run(f"r{i}", n, 400 + 200 * i, KINDS[i], rng, 20, 0.02, 0.005)
+            for i, n in enumerate(np.geomspace(1e6, 1e8, 3))]
+    law = fit_curve_law(runs)
+    bootstrap = bootstrap_curve_law(runs, law, num_samples=20)
+    assert bootstrap.run_dof == 0
+    assert law.prior_weight == pytest.approx(bootstrap.checkpoint_sd**2, rel=0.1)
 
 
 @pytest.mark.parametrize("run_dof", [3, 10**6])

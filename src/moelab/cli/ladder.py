@@ -138,7 +138,7 @@ def _print_fit(summary: dict) -> None:
         out_console.print(f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f} (sd "
                           f"{noise['run_sd']:.3g} between runs, {noise['checkpoint_sd']:.3g} within one, at N = "
                           f"{noise['ref_params']:.4g}); each band carries the noise of its run's own size.")
-    prior = summary["fit"].get("alpha_prior")
+    prior = summary["fit"]["alpha_prior"]
     if prior:
         out_console.print(f"Prior on alpha: log-normal around {prior['median']:g} (x{math.exp(prior['log_sd']):.3g} "
                           f"per sd), weighted as one run; the fitted alpha sits {prior['z']:+.2f} sd from it.")

@@ -98,6 +98,7 @@ __all__ = [
     "curve_loss",
     "curve_losses",
     "noise_scale",
+    "alpha_prior_z",
     "progress_bin",
     "checkpoint_scale",
     "fit_curve_law",
@@ -113,12 +114,9 @@ _LBFGS_OPTIONS = {"ftol": 1e-14, "gtol": 1e-10, "maxiter": 1000}
 # A row counts as "at the peak LR" within this relative distance: CSVs print LRs rounded.
 _PEAK_TOLERANCE = 1e-6
 EXPONENT_BOUNDS = (0.01, 3.0)  # the search range of alpha and beta in the curve law
-# A prior on the size exponent: log alpha ~ Normal(log 0.35, log 2), i.e. alpha within 0.09..1.4 at 2 sd.
-# 0.35 is where Chinchilla-form fits of dense LMs land (Hoffmann et al. 2022: 0.34; Besiroglu et al.
-# 2024's refit: 0.35). A ladder of 3-4 sizes cannot pin E, A and alpha on its own: on our CPU ladders the
-# unpenalized fits came out at alpha = 1.9 (E = 1.39, a floor just under the target) and at alpha = 0.055
-# with E = 0 (a floor at zero), each with E's bootstrap interval spanning [0, 1.4]. The prior counts as
-# one run's worth of evidence (`fit_curve_law`), so a ladder whose sizes do pin alpha overrules it. None: no prior.
+# A prior on the size exponent, log alpha ~ Normal(log 0.35, log 2): 0.35 is where Chinchilla-form fits
+# of LMs land (Hoffmann et al. 2022: 0.34; Besiroglu et al. 2024: 0.35). A ladder of a few sizes within
+# 2-3x cannot pin E, A and alpha alone (docs/scaling-ladder.md, "A prior on the size exponent"). None: no prior.
 ALPHA_PRIOR: tuple[float, float] | None = (0.35, math.log(2.0))
 # How fast a run's noise may fall with its size, residual sd ~ N^-kappa (`fit_curve_law`). Capped at 1:
 # a steeper fall, read off a few sizes and extrapolated to the target, would make its band too narrow.
@@ -714,7 +712,12 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     Then once more with ALPHA_PRIOR's penalty w * z^2 added to the sum of squares (z: how many prior
     sds log alpha lies from the median). w is the noise of one run's rows in that sum, m * run_var +
     checkpoint_var (m rows per run, the variances of `_variance_components`): alpha moves a run's
-    rows together, so the prior weighs like one more run's level. Noiseless curves give w = 0.
+    rows together, so the prior weighs like one more run's level. Noiseless curves give w = 0, and so
+    does a ladder of one run per size (E, A and alpha absorb every run level, so run_var is unknown):
+    its w is one checkpoint's variance, the lower end, which leaves the fit to the data. The
+    degrees of freedom of the bands (`_variance_components`) count alpha as a whole parameter, which
+    a penalized alpha is not quite: the run sd comes out a little low (0.0121 against 0.0122 unpenalized
+    on the 3-size synthetic ladder of the tests).
     """
     rows = _check_ladder(runs)
     law = _fit_rows(rows, start=None)
@@ -829,7 +832,11 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
 
     With a weighted law (`fit_curve_law`: noise_exponent > 0) the residuals are divided by each row's
     noise scale before all this and multiplied back per run, and every refit keeps the law's weights:
-    kappa is not re-estimated, so its own uncertainty is not in the band. The within-run residuals
+    kappa is not re-estimated, so its own uncertainty is not in the band. Every refit also carries
+    the law's prior penalty around the prior's median, as the estimator does; resampled around an
+    already shrunk law, the refits shrink alpha a little further (on a 3-size x 2-seed synthetic
+    ladder their median alpha was 0.27 against the law's 0.23: the band's centre moved by ~0.3% of the
+    loss, an eighth of its half-width). The within-run residuals
     also give the checkpoint sd's profile over a run's progress (`_progress_profile`,
     `CurveBootstrap.progress_scale`); the refits do not use it (they resample whole residual curves,
     which carry it already), the bands and the live forecast do.

@@ -48,14 +48,15 @@ from moelab.accounting import count_params
 from moelab.config import RunConfig
 from moelab.errors import ConfigError, DataError
 from moelab.ladder import NUM_BOOTSTRAP
-from moelab.ladder import fit
 from moelab.ladder.fit import (
+    ALPHA_PRIOR,
     EXPONENT_BOUNDS,
     PROGRESS_EDGES,
     CurveBootstrap,
     CurveLaw,
     EnvelopeFit,
     Run,
+    alpha_prior_z,
     bootstrap_curve_law,
     curve_loss,
     curve_losses,
@@ -307,7 +308,7 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
     if bootstrap.run_dof == 0:
         notes.append(f"{len(curves)} runs at {len({r.params for r in curves})} sizes leave no degree of freedom for "
                      "the run-to-run spread (E, A, alpha absorb up to three run levels): the bands omit it and are "
-                     "too narrow; fit at least 5 runs.")
+                     "too narrow, and the prior on alpha weighs only one checkpoint; fit at least 5 runs.")
     elif bootstrap.run_dof < 2:
         notes.append(f"the run-to-run spread rests on {bootstrap.run_dof:.1f} degrees of freedom, so its Student t "
                      "band is very wide (and its estimate can still come out low); add rungs, or a second seed at "
@@ -352,9 +353,9 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
         "fit": {"runs": len(curves), "rows": int(sum(len(r.steps) for r in curves)),
                 "rows_fitted": int(sum(fitted_rows(r).sum() for r in curves)), "rmse": law.rmse,
                 "sizes": sorted({r.params for r in curves}),
-                "alpha_prior": (None if law.prior_weight == 0 else
-                                {"median": fit.ALPHA_PRIOR[0], "log_sd": fit.ALPHA_PRIOR[1],
-                                 "weight": law.prior_weight, "z": fit.alpha_prior_z(law.alpha)})},
+                "alpha_prior": (None if ALPHA_PRIOR is None or law.size is not None else
+                                {"median": ALPHA_PRIOR[0], "log_sd": ALPHA_PRIOR[1], "weight": law.prior_weight,
+                                 "z": alpha_prior_z(law.alpha)})},
         "bootstrap": {"samples": num_bootstrap, "seed": seed,
                       "unit": "runs: resampled offsets + sign-flipped residual curves"},
         "targets": final,
