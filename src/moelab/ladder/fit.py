@@ -712,12 +712,11 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     Then once more with ALPHA_PRIOR's penalty w * z^2 added to the sum of squares (z: how many prior
     sds log alpha lies from the median). w is the noise of one run's rows in that sum, m * run_var +
     checkpoint_var (m rows per run, the variances of `_variance_components`): alpha moves a run's
-    rows together, so the prior weighs like one more run's level. Noiseless curves give w = 0, and so
-    does a ladder of one run per size (E, A and alpha absorb every run level, so run_var is unknown):
-    its w is one checkpoint's variance, the lower end, which leaves the fit to the data. The
-    degrees of freedom of the bands (`_variance_components`) count alpha as a whole parameter, which
-    a penalized alpha is not quite: the run sd comes out a little low (0.0121 against 0.0122 unpenalized
-    on the 3-size synthetic ladder of the tests).
+    rows together, so the prior weighs like one more run's level. Noiseless curves give w = 0. A ladder
+    of one run per size gets one checkpoint's variance, the lower end (E, A and alpha absorb every run
+    level, so run_var is unknown), which leaves the fit to the data. The degrees of freedom of the bands
+    (`_variance_components`) count a penalized alpha as a whole parameter; on the tests' 3-size x
+    2-seed ladder the run sd moved from 0.0121 (unpenalized) to 0.0122.
     """
     rows = _check_ladder(runs)
     law = _fit_rows(rows, start=None)
