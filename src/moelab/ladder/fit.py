@@ -725,9 +725,7 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     law = _fit_rows(rows, start=None) if exponent > 0 else replace(law, noise_ref=ref)
     if rows.one_size or ALPHA_PRIOR is None:
         return law
-    predicted, jacobian = _linearize(rows, law)
-    residuals = rows.split((rows.loss - predicted) / rows.scale)
-    run_var, _, checkpoint_var, _ = _variance_components(residuals, jacobian / rows.scale[:, None])
+    run_var, _, checkpoint_var, _ = _noise_of(rows, law)[2]
     weight = float(np.mean(rows.counts)) * run_var + checkpoint_var
     return _fit_rows(replace(rows, prior_weight=weight), start=None)
 
@@ -756,6 +754,13 @@ def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
             columns.append(-law.c * rows.anneal(log_tau, 1))
     loss = law.e + law.a * size + law.b * data - law.c * s2
     return loss, np.column_stack(columns) if columns else np.zeros((len(loss), 0))
+
+
+def _noise_of(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, list[np.ndarray], tuple[float, float, float, int]]:
+    """([n] the law at the rows, each run's residuals in units of a run at noise_ref, `_variance_components`)."""
+    predicted, jacobian = _linearize(rows, law)
+    residuals = rows.split((rows.loss - predicted) / rows.scale)
+    return predicted, residuals, _variance_components(residuals, jacobian / rows.scale[:, None])
 
 
 def _variance_components(residuals: Sequence[np.ndarray], jacobian: np.ndarray) -> tuple[float, float, float, int]:
@@ -842,10 +847,8 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     """
     rows = replace(_check_ladder(runs), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
                    prior_weight=law.prior_weight)
-    predicted, jacobian = _linearize(rows, law)
+    predicted, residuals, (run_var, run_dof, checkpoint_var, checkpoint_dof) = _noise_of(rows, law)
     scale = rows.scale
-    residuals = rows.split((rows.loss - predicted) / scale)  # in units of a run at noise_ref
-    run_var, run_dof, checkpoint_var, checkpoint_dof = _variance_components(residuals, jacobian / scale[:, None])
     within = [r - r.mean() for r in residuals]
     profile = _progress_profile(within, rows.split(rows.progress))
 
