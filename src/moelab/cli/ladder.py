@@ -107,12 +107,16 @@ def fit(
     target: Annotated[Path, typer.Option(help="TARGET.csv: run,params,step,tokens,lr (the planned schedule).")],
     out: Annotated[Path, typer.Option(help="PRED.csv to write: target rows + loss_pred,lo80,hi80,lo95,hi95.")],
     bootstrap: Annotated[int, typer.Option(help="Bootstrap refits (two-level residual resamples) for the bands.")] = NUM_BOOTSTRAP,
+    same_data_order: Annotated[bool, typer.Option(
+        help="Curves of one size whose runs and the target share one seed and data order (a schedule sweep): "
+             "the target also borrows the noise the curves share at each of its steps.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""
     from moelab.ladder.predict import fit_curves
 
-    summary = fit_curves(curves, target, out, num_bootstrap=bootstrap, progress=_bootstrap_bar)
+    summary = fit_curves(curves, target, out, num_bootstrap=bootstrap, same_data_order=same_data_order,
+                         progress=_bootstrap_bar)
     if json_out:
         print(json.dumps(summary))
         return
@@ -138,6 +142,11 @@ def _print_fit(summary: dict) -> None:
         out_console.print(f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f} (sd "
                           f"{noise['run_sd']:.3g} between runs, {noise['checkpoint_sd']:.3g} within one, at N = "
                           f"{noise['ref_params']:.4g}); each band carries the noise of its run's own size.")
+    shared = summary.get("shared_noise")
+    if shared:
+        rows = ", ".join(f"{escape(name)} {n}" for name, n in shared["rows_borrowing"].items())
+        out_console.print(f"Same data order: the curves share sd {shared['shared_sd']:.3g} of noise at a step (their "
+                          f"own: {shared['own_sd']:.3g}); rows borrowing it: {rows}.")
     prior = summary["fit"]["alpha_prior"]
     if prior:
         out_console.print(f"Prior on alpha: log-normal around {prior['median']:g} (x{math.exp(prior['log_sd']):.3g} "

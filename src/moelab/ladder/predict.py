@@ -56,6 +56,7 @@ from moelab.ladder.fit import (
     CurveLaw,
     EnvelopeFit,
     Run,
+    SharedNoise,
     alpha_prior_z,
     bootstrap_curve_law,
     curve_loss,
@@ -66,6 +67,7 @@ from moelab.ladder.fit import (
     fitted_rows,
     noise_scale,
     past_warmup,
+    shared_noise,
 )
 from moelab.ladder.forecast import ForecastFinal
 
@@ -218,9 +220,15 @@ def _mixture_quantiles(centres: np.ndarray, noise: tuple[np.ndarray, np.ndarray]
     return out
 
 
-def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run) -> dict[str, np.ndarray]:
-    """`BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring."""
-    centres = curve_losses(bootstrap.laws, run)
+def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run,
+                       shared: SharedNoise | None = None) -> dict[str, np.ndarray]:
+    """`BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring.
+
+    With `shared` (`fit.shared_noise`: `run` trains on the curves' seed and data order) each row also
+    borrows what those runs share at its step; the band keeps its width (`fit.SharedNoise` says why).
+    """
+    borrowed = shared.at(run.steps) if shared is not None else 0.0
+    centres = curve_losses(bootstrap.laws, run) + borrowed
     levels = bootstrap.checkpoint_scale(run.tokens / run.tokens[-1])  # a few distinct values, one per progress bin
     quantiles = np.empty((len(_QUANTILES), len(levels)))
     for level in np.unique(levels):
@@ -231,7 +239,8 @@ def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run) -> di
     # one or two degrees of freedom reaches there) is mass at 0, so quantiles there read 0.
     bands = {k: np.maximum(q, 0.0) for k, q in zip(_QUANTILES, quantiles)}
     unknown = np.isnan(centres).any(0)  # rows before any tokens: the law has no value there
-    return {"loss_pred": curve_loss(law, run), **{k: np.where(unknown, np.nan, bands[k]) for k in BAND_COLUMNS[1:]}}
+    return {"loss_pred": curve_loss(law, run) + borrowed,
+            **{k: np.where(unknown, np.nan, bands[k]) for k in BAND_COLUMNS[1:]}}
 
 
 def score(bands: dict[str, np.ndarray], run: Run) -> dict:
@@ -370,12 +379,14 @@ def _format(value: float) -> str:
 
 
 def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str | Path, *,
-               num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0,
+               num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0, same_data_order: bool = False,
                progress: Callable[[Iterable], Iterable] = iter) -> dict:
     """Fit the curve law on CURVES.csv, write PRED.csv for TARGET.csv and its sidecar PRED.json.
 
     PRED.json holds the returned summary: the law, its noise, the leave-largest-out `self_check`
-    and notes. Curves of one size fit the schedule part alone and predict that size only. Every input
+    and notes. Curves of one size fit the schedule part alone and predict that size only; with
+    `same_data_order` (the curves and the target share one seed and data order: a schedule sweep)
+    the target's rows also borrow the noise the curves share at each step (`fit.SharedNoise`). Every input
     is read and checked before anything is written, and both files appear atomically (written beside
     them, then renamed), so a bad input never leaves a half-written file. `progress` wraps the
     bootstrap loops (a progress bar in the CLI).
@@ -395,12 +406,17 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
         law = fit_curve_law(curves)
         for run in targets:
             curve_loss(law, run)  # a one-size law refuses another size before any bootstrap
+        shared = shared_noise(curves, law) if same_data_order else None
         bootstrap = bootstrap_curve_law(curves, law, num_bootstrap, seed, progress)
         check = self_check(curves, num_bootstrap, seed, progress)
     except DataError as err:
         raise DataError(f"{curves_path}: {err}") from err
-    predictions = {run.name: predict_with_bands(law, bootstrap, run) for run in targets}
+    predictions = {run.name: predict_with_bands(law, bootstrap, run, shared) for run in targets}
     summary = _summary_of(law, bootstrap, curves, targets, predictions, check, num_bootstrap, seed, out_path)
+    if shared is not None:
+        summary["shared_noise"] = {
+            "shared_sd": math.sqrt(shared.shared_var), "own_sd": math.sqrt(shared.own_var),
+            "rows_borrowing": {run.name: int(np.count_nonzero(np.isin(run.steps, shared.steps))) for run in targets}}
 
     rows = [dict(row) for _, row in table]
     for run in targets:
