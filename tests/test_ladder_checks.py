@@ -154,7 +154,8 @@ def test_borrowing_shared_noise_refuses_several_sizes_and_runs_with_no_common_st
         shared_noise([apart[0], odd], fit_curve_law([apart[0], odd]))
 
 
-def test_ladder_fit_same_data_order_prints_what_is_shared_and_writes_it_to_the_sidecar(tmp_path, monkeypatch, capsys):
+def test_ladder_fit_same_data_order_prints_what_is_shared_and_writes_it_to_the_sidecar(tmp_path, monkeypatch,
+                                                                                        capsys):
     runs = _shared_order(np.random.default_rng(7), shared_sd=0.006, own_sd=0.001)
     curves, target = tmp_path / "CURVES.csv", tmp_path / "TARGET.csv"
     _write_csv(curves, HEADER, _curve_rows(runs[:-1]))

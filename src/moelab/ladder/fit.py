@@ -920,7 +920,8 @@ def shared_noise(runs: Sequence[Run], law: CurveLaw) -> SharedNoise:
     """
     if law.size is None:
         raise DataError("borrowing the noise runs share at each step needs curves of one size, seed and data order "
-                        "(a schedule sweep); these hold several sizes. Drop the option, or fit one size's curves.")
+                        "(a schedule sweep); these hold several sizes. Drop --same-data-order, or fit one size's "
+                        "curves.")
     keeps = [past_warmup(run) for run in runs]
     steps = np.concatenate([run.steps[keep] for run, keep in zip(runs, keeps)])
     residuals = np.concatenate([(run.loss - curve_loss(law, run))[keep] for run, keep in zip(runs, keeps)])
@@ -930,7 +931,7 @@ def shared_noise(runs: Sequence[Run], law: CurveLaw) -> SharedNoise:
     several = (counts >= 2)[index] & fitted  # the variances from the fitted rows: a run's first evals stray far more
     if not several.any():
         raise DataError("no step is evaluated by two of the curves' runs, so the noise they share cannot be told from "
-                        "their own: evaluate the runs at the same steps, or drop the option.")
+                        "their own: evaluate the runs at the same steps, or drop --same-data-order.")
     at = np.unique(index[several])
     own_var = float(np.sum((residuals - mean[index])[several] ** 2) / np.sum(counts[at] - 1))
     shared_var = max(float(np.mean(mean[at] ** 2 - own_var / counts[at])), 0.0)
