@@ -171,6 +171,22 @@ def test_rungs_too_short_to_be_tuned_like_the_others_are_warned_once_per_shape(t
     assert "ladder-d64-l2 trains" not in " ".join((out + err).split())
 
 
+def test_rungs_that_cannot_keep_the_targets_head_grouping_are_warned_once_per_width(tmp_path, monkeypatch, capsys):
+    """ladder-cpu's target groups 2 query heads per KV head (6/3); its d48 and d80 rungs have 3 and 5
+    heads of the same head dim, which 2 does not divide, so they get 3:1 and 5:1. With every KV head
+    its own (num_kv_heads = num_heads) every rung keeps the target's grouping."""
+    from moelab.ladder.rungs import regrouped_heads
+
+    recipe = replace(load_recipe("experiments/ladder-cpu.yaml"), rung_seeds=2)
+    warnings = regrouped_heads(rungs_of(recipe), recipe.target)
+    assert [w.split(" groups")[0] for w in warnings] == ["ladder-d48-l3", "ladder-d80-l3"]
+    assert warnings[0].startswith("ladder-d48-l3 groups 3 query heads per KV head (3/1), the target 2 (6/3)")
+    mha = replace(recipe, target=override(recipe.target, {"model.num_kv_heads": 6}))
+    assert regrouped_heads(rungs_of(mha), mha.target) == []
+    code, out, err = run_cli(["ladder", "plan", "experiments/ladder-cpu.yaml"], monkeypatch, capsys)
+    assert code == 0 and "ladder-d80-l3 groups 5 query heads per KV head" in " ".join((out + err).split())
+
+
 def test_rungs_take_the_recipes_lr_rule():
     recipe = LadderRecipe(presets.get("tiny"), ((32, 2), (64, 2)), 8, lr_exponent=1.0)
     lrs = [cfg.train.lr for cfg in rungs_of(recipe)]

@@ -64,12 +64,13 @@ def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt =
 
 
 def _warn_recipe(rungs, target, read_data: bool = True) -> None:
-    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`) and, with
-    `read_data`, each run that would read a domain of its data more than once (`rungs.repeated_data`)."""
-    from moelab.ladder.rungs import repeated_data, short_rungs
+    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`) or grouping its
+    attention heads unlike the target (`rungs.regrouped_heads`) and, with `read_data`, each run that
+    would read a domain of its data more than once (`rungs.repeated_data`)."""
+    from moelab.ladder.rungs import regrouped_heads, repeated_data, short_rungs
     from moelab.train.loop import prepare_corpus
 
-    warnings = short_rungs(rungs)
+    warnings = short_rungs(rungs) + regrouped_heads(rungs, target)
     if read_data:
         sizes = {d: len(tokens) for d, tokens in prepare_corpus(target).train.items()}
         warnings += repeated_data(rungs + [target], sizes)

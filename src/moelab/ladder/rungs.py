@@ -40,7 +40,8 @@ from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
 __all__ = ["LadderRecipe", "rung_lr", "lr_rule_text", "LrRule", "fit_lr_rule", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
-           "check_monotone", "data_epochs", "repeated_data", "MIN_RUNG_STEPS", "short_rungs"]
+           "check_monotone", "data_epochs", "repeated_data", "MIN_RUNG_STEPS", "short_rungs",
+           "regrouped_heads"]
 
 
 K_RANGE = (0.0, 3.0)  # lr_exponents a recipe takes and fit_lr_rule searches (muP's for Adam's hidden matrices: 1)
@@ -263,6 +264,26 @@ def short_rungs(rungs: list[RunConfig]) -> list[str]:
             warnings.append(f"{cfg.name} trains {cfg.train.steps} steps, under {MIN_RUNG_STEPS}: a rung this short is "
                             "still leaving its first plateaus as its LR decays, so it is not tuned like the longer "
                             "runs and bends the size trend. Drop it, or use wider rungs (more tokens, more steps).")
+    return warnings
+
+
+def regrouped_heads(rungs: list[RunConfig], target: RunConfig) -> list[str]:
+    """A warning per rung shape whose query heads per KV head differ from the target's.
+
+    A rung keeps the target's head dim, so its head count is its width / head dim, and the grouping
+    can only be kept where that count divides by it (`presets._kv_heads` takes the nearest divisor).
+    """
+    group = target.model.num_heads // target.model.num_kv_heads
+    warnings, seen = [], set()
+    for cfg in rungs:
+        heads, kv = cfg.model.num_heads, cfg.model.num_kv_heads
+        if heads // kv != group and cfg.model.d_model not in seen:
+            seen.add(cfg.model.d_model)
+            warnings.append(f"{cfg.name} groups {heads // kv} query heads per KV head ({heads}/{kv}), the target "
+                            f"{group} ({target.model.num_heads}/{target.model.num_kv_heads}): {heads} heads do not "
+                            f"divide by {group}, so its attention is not the target's recipe. Use widths whose head "
+                            f"count divides by {group}, or a target grouping every rung can keep (num_kv_heads = "
+                            "num_heads).")
     return warnings
 
 
