@@ -97,6 +97,7 @@ def main() -> None:
     args = parser.parse_args()
 
     out = Path(args.out)
+    curves_csv = Path(args.csv) if args.csv else out / "curves.csv"
     start = time.perf_counter()
     by_seed = []
     for seed in range(args.seeds):
@@ -106,12 +107,12 @@ def main() -> None:
             if not (out / cfg.name / SUMMARY).is_file():
                 train(cfg, out / cfg.name)
             rows += curve_rows(cfg, out / cfg.name)
-        csv_path = (Path(args.csv) if args.csv else out / "curves.csv") if seed == 0 else out / f"curves-seed{seed}.csv"
+        csv_path = curves_csv if seed == 0 else out / f"curves-seed{seed}.csv"
         csv_path.parent.mkdir(parents=True, exist_ok=True)
         write_csv(csv_path, rows)
         by_seed.append(read_curves(csv_path))
     result = {"benchmark": "schedule_fit", "preset": "tiny", "steps": args.steps, "schedules": list(SCHEDULES),
-              "curves": str(Path(args.csv) if args.csv else out / "curves.csv"),
+              "curves": str(curves_csv),
               **leave_one_out(by_seed[0], args.bootstrap)}
     if args.seeds > 1:
         result["seed_mean"] = {"seeds": args.seeds, **leave_one_out(seed_mean(by_seed), args.bootstrap)}

@@ -904,10 +904,10 @@ class SharedNoise:
     def at(self, steps) -> np.ndarray:
         """[R] what a new run on the same data order borrows at each step: rho_k * m(s); 0 at a step no run has."""
         steps = np.asarray(steps, dtype=np.float64)
-        where = np.clip(np.searchsorted(self.steps, steps), 0, len(self.steps) - 1)
-        known = self.steps[where] == steps
         if self.shared_var == 0:
             return np.zeros(len(steps))
+        where = np.clip(np.searchsorted(self.steps, steps), 0, len(self.steps) - 1)
+        known = self.steps[where] == steps
         rho = self.shared_var / (self.shared_var + self.own_var / self.counts[where])
         return np.where(known, rho * self.mean[where], 0.0)
 
@@ -928,11 +928,12 @@ def shared_noise(runs: Sequence[Run], law: CurveLaw) -> SharedNoise:
     fitted = np.concatenate([fitted_rows(run)[keep] for run, keep in zip(runs, keeps)])
     unique, index, counts = np.unique(steps, return_inverse=True, return_counts=True)
     mean = np.bincount(index, weights=residuals) / counts
-    several = (counts >= 2)[index] & fitted  # the variances from the fitted rows: a run's first evals stray far more
-    if not several.any():
+    # the variances from steps where two or more runs have a fitted row and none an earlier one: a run's
+    # first evals stray far more, and runs of different lengths leave their transient at different steps
+    used = (counts >= 2) & (np.bincount(index, weights=~fitted, minlength=len(unique)) == 0)
+    if not used.any():
         raise DataError("no step is evaluated by two of the curves' runs, so the noise they share cannot be told from "
                         "their own: evaluate the runs at the same steps, or drop --same-data-order.")
-    at = np.unique(index[several])
-    own_var = float(np.sum((residuals - mean[index])[several] ** 2) / np.sum(counts[at] - 1))
-    shared_var = max(float(np.mean(mean[at] ** 2 - own_var / counts[at])), 0.0)
+    own_var = float(np.sum((residuals - mean[index])[used[index]] ** 2) / np.sum(counts[used] - 1))
+    shared_var = max(float(np.mean(mean[used] ** 2 - own_var / counts[used])), 0.0)
     return SharedNoise(unique, mean, counts.astype(np.float64), shared_var, own_var)
