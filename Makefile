@@ -6,7 +6,11 @@ STAMP := $(VENV)/.installed
 # Local wheels (torch's CPU build for the test extras, see pyproject.toml), used when the folder exists.
 WHEELS ?= /opt/wheels
 
-.PHONY: demo test clean
+# Two pytest-xdist workers, one test file each at a time: module fixtures (a trained run, a Ray cluster, an S3
+# server) stay in one process, and the 2-core CI machine runs two files side by side (see README "Tests").
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadfile
+
+.PHONY: demo test test-all check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -18,7 +22,18 @@ demo: $(STAMP)
 	$(BIN)/moelab demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(PYTEST)
+
+# Every test, the `slow` ones too.
+test-all: $(STAMP)
+	$(PYTEST) -m 'slow or not slow'
+
+# The inner loop between two changes: each module's core logic, no trained runs or services.
+CHECK_TESTS := tests/test_config.py tests/test_layers.py tests/test_ledger.py tests/test_ladder_fit.py \
+	tests/test_ladder_checks.py tests/test_contingency.py tests/test_registry.py tests/test_model.py
+
+check: $(STAMP)
+	$(PYTEST) -m 'not slow' $(CHECK_TESTS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
