@@ -1,7 +1,6 @@
 """How long the test suite takes: wall time, test counts and the slowest tests, as JSON.
 
     python benchmarks/suite_time.py --json                  # `make test`'s selection (not slow), 2 workers
-    python benchmarks/suite_time.py --json --marker check   # `make check`'s inner loop
     python benchmarks/suite_time.py --json --marker ""      # everything, slow included (`make test-all`)
     python benchmarks/suite_time.py --workers 0             # one process, no pytest-xdist
 
