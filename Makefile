@@ -8,7 +8,8 @@ WHEELS ?= /opt/wheels
 
 # Two pytest-xdist workers, one test file each at a time: module fixtures (a trained run, a Ray cluster, an S3
 # server) stay in one process, and the 2-core CI machine runs two files side by side (see README "Tests").
-PYTEST := $(BIN)/python -m pytest -n 2 --dist loadfile
+# PYTEST_ARGS adds to every target's pytest line (benchmarks/suite_time.py adds its durations table there).
+PYTEST = $(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 .PHONY: demo test test-all check clean
 
@@ -28,7 +29,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PYTEST) -m 'slow or not slow'
 
-# The inner loop between two changes: each module's core logic, no trained runs or services.
+# The inner loop between two changes: each module's core logic, no Ray, S3 or browser and no trained run.
 CHECK_TESTS := tests/test_config.py tests/test_layers.py tests/test_ledger.py tests/test_ladder_fit.py \
 	tests/test_ladder_checks.py tests/test_contingency.py tests/test_registry.py tests/test_model.py
 

@@ -1,10 +1,10 @@
 """How long the test suite takes: wall time, test counts and the slowest tests, as JSON.
 
-    python benchmarks/suite_time.py --json                  # `make test`'s selection (not slow), 2 workers
-    python benchmarks/suite_time.py --json --marker ""      # everything, slow included (`make test-all`)
-    python benchmarks/suite_time.py --workers 0             # one process, no pytest-xdist
+    python benchmarks/suite_time.py --json                    # `make test`
+    python benchmarks/suite_time.py --json --target check     # `make check`; `--target test-all` for everything
+    python benchmarks/suite_time.py --workers 0               # `make test` in one process, no pytest-xdist
 
-Runs pytest in a subprocess exactly as the Makefile does (same marker expression, same worker count),
+Runs the Makefile's own target, adding only a durations table (and `--workers`) through its PYTEST_ARGS,
 so the figure is the one a contributor waits for, and reads pytest's own summary line and its
 `--durations` table from the output. The wall time includes pytest's start-up and collection but not
 `make`'s install step (the README's figures are measured after the first install).
@@ -27,13 +27,12 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|error|errors|xfail
 _DURATION = re.compile(r"^\s*([\d.]+)s (call|setup|teardown)\s+(\S+)")
 
 
-def pytest_command(marker: str, workers: int, slowest: int) -> list[str]:
-    """The pytest command line `make test` / `make check` / `make test-all` run, plus a durations table."""
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", marker or "slow or not slow",
-               f"--durations={slowest}", "--durations-min=0"]
-    if workers > 0:
-        command += ["-n", str(workers), "--dist", "loadfile"]
-    return command
+def make_command(target: str, workers: int | None, slowest: int) -> list[str]:
+    """`make TARGET` with a durations table; `workers` overrides the Makefile's `-n` (pytest takes the last)."""
+    extra = f"-p no:cacheprovider --durations={slowest} --durations-min=0"
+    if workers is not None:
+        extra += f" -n {workers}"
+    return ["make", "-s", target, f"PYTEST_ARGS={extra}"]
 
 
 def parse_counts(output: str) -> dict[str, int]:
@@ -60,19 +59,20 @@ def parse_durations(output: str, slowest: int) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--marker", default="not slow", help="pytest -m expression ('' for every test)")
-    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (0: one process)")
+    parser.add_argument("--target", default="test", choices=["test", "check", "test-all"], help="the make target")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="pytest-xdist workers instead of the Makefile's (0: one process)")
     parser.add_argument("--slowest", type=int, default=20, help="how many of the slowest tests to list")
     parser.add_argument("--json", action="store_true", help="print only the JSON figures")
     args = parser.parse_args()
 
-    command = pytest_command(args.marker, args.workers, args.slowest)
+    command = make_command(args.target, args.workers, args.slowest)
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=os.environ.copy())
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - started
     output = done.stdout + done.stderr
     figures = {
-        "command": " ".join(command[1:]),
+        "command": " ".join(command),
         "exit_code": done.returncode,
         "wall_s": round(wall, 1),
         "counts": parse_counts(output),
