@@ -1,7 +1,7 @@
 """How long the test suite takes: wall time, test counts and the slowest tests, as JSON.
 
     python benchmarks/suite_time.py --json                    # `make test`
-    python benchmarks/suite_time.py --json --target check     # `make check`; `--target test-all` for everything
+    python benchmarks/suite_time.py --json --target check     # `make check`; `--target test-slow` or `test-all` too
     python benchmarks/suite_time.py --workers 0               # `make test` in one process, no pytest-xdist
 
 Runs the Makefile's own target, adding only a durations table (and `--workers`) through its PYTEST_ARGS,
@@ -57,9 +57,15 @@ def parse_durations(output: str, slowest: int) -> list[dict]:
     return sorted(rows, key=lambda row: -row["seconds"])[:slowest]
 
 
+def parse_failures(output: str) -> list[str]:
+    """pytest's short summary lines for what failed (`FAILED tests/x.py::test - why`, `ERROR ...`), so a
+    measurement of a failing suite says which tests to look at."""
+    return [line.strip() for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="test", choices=["test", "check", "test-all"], help="the make target")
+    parser.add_argument("--target", default="test", choices=["test", "check", "test-slow", "test-all"], help="the make target")
     parser.add_argument("--workers", type=int, default=None,
                         help="pytest-xdist workers instead of the Makefile's (0: one process)")
     parser.add_argument("--slowest", type=int, default=20, help="how many of the slowest tests to list")
@@ -76,6 +82,7 @@ def main() -> int:
         "exit_code": done.returncode,
         "wall_s": round(wall, 1),
         "counts": parse_counts(output),
+        "failures": parse_failures(output),
         "slowest": parse_durations(output, args.slowest),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.machine()},
     }

@@ -278,8 +278,10 @@ def test_reproduce_refuses_with_exit_2_and_records_nothing(lab, case, message, t
     assert num_records(ledger) == before
 
 
+# same-env is `slow` too (issue 27: a worktree and a rerun, ~10 s on 2 cores); reproduce in place stays.
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [pytest.param(["--same-env"], id="same-env"),
-                                 pytest.param([], marks=pytest.mark.slow, id="own-env")])
+                                 pytest.param([], marks=pytest.mark.network, id="own-env")])
 def test_reproduce_at_an_older_commit_runs_it_in_a_worktree(lab, env, tmp_path):
     """A newer checkout (a clone with one more commit) reruns the recorded commit in a temporary worktree, with
     this environment's packages (--same-env) or its own (a venv and `pip install -e`: minutes, so `slow`)."""

@@ -120,8 +120,12 @@ def test_missing_or_empty_data_file_exits_2_naming_it(content, message, tmp_path
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_train_command_writes_config_metrics_and_summary(tmp_path):
-    """End to end through the installed entry point, as a user runs it."""
+    """End to end through the installed entry point, as a user runs it.
+
+    `slow` (issue 27): a cold subprocess, ~35 s on 2 cores. The fast suite keeps `python -m moelab.cli train`
+    in subprocesses (test_faults) and the train command's files in process (test_checkpoint, test_tracking)."""
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "moelab.cli", "train", "--preset", "tiny", "--steps", "4", "--out", str(out),

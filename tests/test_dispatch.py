@@ -68,16 +68,18 @@ def _assert_trees_close(got, want, what: str) -> None:
         assert err < 1e-5, f"{what} {jax.tree_util.keystr(path)}: relative error {err:.2e}"
 
 
-grid = pytest.mark.parametrize(
-    "backend, router_score, latent, shared",
-    [
-        (backend, score, latent, shared)
+def grid(parity: int):
+    """Every backend x router score x latent x shared. Per backend, the fast suite runs the half whose
+    settings have the given parity (every pair of settings still meets); the rest is `slow` (issue 27).
+    The two tests below take opposite halves, so the fast suite still runs each configuration once."""
+    return pytest.mark.parametrize("backend, router_score, latent, shared", [
+        pytest.param(backend, score, latent, shared,
+                     marks=() if (ROUTER_SCORES.index(score) + latent + shared) % 2 == parity else pytest.mark.slow)
         for backend in BACKENDS
         for score in ROUTER_SCORES
         for latent in (False, True)
         for shared in (False, True)
-    ],
-)
+    ])
 
 
 # Eager (jit disabled): under jit each of the 32 model/layer configurations compiles its own
@@ -86,7 +88,7 @@ grid = pytest.mark.parametrize(
 # `test_model.py` runs the model under jit.
 
 
-@grid
+@grid(parity=0)
 def test_backend_matches_dense_in_loss_and_every_parameter_gradient(backend, router_score, latent, shared):
     cfg = _cfg(backend, router_score, latent, shared)
     k_params, k_tokens, k_bias = jax.random.split(jax.random.key(_seed(router_score, latent, shared)), 3)
@@ -106,7 +108,7 @@ def test_backend_matches_dense_in_loss_and_every_parameter_gradient(backend, rou
     _assert_trees_close(grads, ref_grads, "d loss /")
 
 
-@grid
+@grid(parity=1)
 def test_moe_layer_alone_matches_dense_in_output_and_gradients(backend, router_score, latent, shared):
     cfg = _cfg(backend, router_score, latent, shared)
     k_params, k_x, k_bias, k_cot = jax.random.split(jax.random.key(100 + _seed(router_score, latent, shared)), 4)

@@ -96,8 +96,11 @@ def test_the_harness_adapters_loglikelihood_is_moelabs_own_loss(trained):
     assert rolling == pytest.approx(whole, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_tasks_runs_a_local_multiple_choice_task_and_names_an_unknown_one(trained_tiny_run, tmp_path,
                                                                                   monkeypatch, capsys):
+    """`slow` (issue 27): lm-eval's import and task building, ~50 s on 2 cores. The fast suite keeps the
+    adapter's loglikelihoods equal to moelab's own loss (test_the_harness_adapters_loglikelihood...)."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # nothing from the hub: the task is the local YAML + JSONL
     _mc_task(tmp_path)
     code, out, err = run_cli(["eval", str(trained_tiny_run), "--tasks", "moelab_sums_mc", "--include-path",

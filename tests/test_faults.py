@@ -76,9 +76,12 @@ def _rerun_and_compare(reference, out, monkeypatch, capsys) -> str:
     return stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_run_killed_at_a_random_moment_resumes_to_bitwise_the_same_run(reference, tmp_path, seed,
                                                                          monkeypatch, capsys):
+    """`slow` (issue 27): a training subprocess and a rerun per seed, ~30 s on 2 cores. The fast suite keeps
+    SIGTERM's stop and bitwise rerun (below) and test_checkpoint's damaged newest checkpoints."""
     out = tmp_path / "run"
     proc = subprocess.Popen(train_command(out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(out / "checkpoints" / "4" / "moelab_manifest.json", proc)
@@ -90,6 +93,9 @@ def test_a_run_killed_at_a_random_moment_resumes_to_bitwise_the_same_run(referen
     _rerun_and_compare(reference, out, monkeypatch, capsys)
 
 
+# `slow` (issue 27): a killed subprocess and a rerun per point, ~25 s on 2 cores; the fast suite keeps
+# SIGTERM's stop and bitwise rerun (below) and test_checkpoint's damaged newest checkpoints.
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["orbax-commit", "manifest"])
 def test_a_run_killed_inside_a_checkpoint_save_resumes_to_bitwise_the_same_run(reference, tmp_path, point,
                                                                               monkeypatch, capsys):
@@ -116,11 +122,15 @@ def test_sigterm_saves_exits_75_and_the_rerun_ends_bitwise_the_same(reference, t
     _rerun_and_compare(reference, out, monkeypatch, capsys)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_that_fails_mid_run_exits_1_and_keeps_the_previous_checkpoint(reference, tmp_path,
                                                                                          monkeypatch, capsys):
     """A full disk, in effect: once step 4 is saved, no file may grow past 256 KiB. The logs stay under
     it; step 8's largest array file (about 2 MB) does not, so its save fails with EFBIG (Python ignores
-    SIGXFSZ, so the write returns an error instead of killing the process)."""
+    SIGXFSZ, so the write returns an error instead of killing the process).
+
+    `slow` (issue 27): ~20 s on 2 cores; the fast suite keeps a damaged newest checkpoint moved aside with
+    the previous one used (test_checkpoint)."""
     out = tmp_path / "run"
     proc = subprocess.Popen(train_command(out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(out / "checkpoints" / "4" / "moelab_manifest.json", proc)

@@ -41,7 +41,12 @@ MFU_KEYS = {"preset", "backend", "status", "step_time_s", "tokens_per_s", "flops
 LAYER_KEYS = {"seconds", "useful_tflops_per_s", "drop_fraction", "peak_memory_bytes", "status"}
 
 
+@pytest.mark.slow
 def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
+    """The whole GPU suite script at tiny shapes on the CPU, so it stays ready for a lent device (issue 9).
+
+    `slow` (issue 27): ~50 s of subprocesses on 2 cores; CI runs it (`make test-slow`), and the fast suite
+    keeps each part's logic (profile parsing, targets, merging, the CUDA lowering checks below)."""
     env = {**os.environ, "MOELAB_SUITE_TINY": "1", "MOELAB_PYTHON": sys.executable,
            "MOELAB_JAX_CACHE": str(Path(tempfile.gettempdir()) / "moelab-jax-cache-tests")}
     env.pop("XLA_FLAGS", None)  # one CPU device, as on the GPU machine; not conftest's eight
@@ -139,8 +144,12 @@ def test_a_failing_profiler_costs_the_profile_not_the_run(monkeypatch):
         "error": "RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"}
 
 
+@pytest.mark.slow
 def test_runs_killed_while_profiling_keep_their_timing(tmp_path, monkeypatch):
-    """The suite caps each run; the figures are on disk before the profile starts."""
+    """The suite caps each run; the figures are on disk before the profile starts.
+
+    `slow` (issue 27): two timed runs, ~35 s on 2 cores; the fast suite keeps a failing profiler costing
+    only the profile (test_a_failing_profiler_costs_the_profile_not_the_run)."""
     class Killed(BaseException):  # what a timeout's SIGKILL would end: nothing after it runs
         pass
 
@@ -319,6 +328,8 @@ def test_layer_tile_variants_parse_and_reject_typos():
             moe_layer.parse_variant(typo)
 
 
+# `slow` (issue 27): gpu-small's forward and backward compiled twice per policy, ~20-30 s on 2 cores.
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["dots", "full"])
 def test_remat_keeps_the_function(remat):
     cfg = mfu.resolve_config("gpu-small", "capacity", True, None).model

@@ -9,6 +9,10 @@ documents (data.seed), so it is another run of the recipe, not a replay. Why not
 plateau breaks at different steps) before ending 0.9% apart; no +-3% band holds that, and the
 forecast rightly flags it. How the forecast does across init seeds at ladder scale is measured by
 benchmarks/ladder_cpu.py (3 target seeds replayed through the watcher).
+
+
+`slow` (issue 27): three 240-step trainings, ~2 min on 2 cores. The fast suite keeps the forecast's update
+rule, band and incidents on synthetic curves (test_ladder_checks) and `ladder run` end to end (test_ladder_rungs).
 """
 
 import json
@@ -25,6 +29,7 @@ from moelab.ladder.run import curve_rows, target_rows, write_csv
 from moelab.train.loop import train
 from moelab.train.outputs import INCIDENTS, METRICS, read_jsonl
 
+pytestmark = pytest.mark.slow
 STEPS, EVERY, HALF_BAND = 240, 12, 0.03
 
 

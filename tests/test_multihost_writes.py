@@ -3,6 +3,9 @@
 One process stands in for process 1 by patching `mesh.is_writer`, the one place moelab asks. Patching
 `jax.process_index` itself would also make Orbax act as a non-primary host, which waits (600 s) for a
 process 0 that does not exist to create the checkpoint's directories.
+
+`slow` (issue 27): four trainings in the module fixture, ~30 s on 2 cores. The fast suite keeps the
+multi-host start's rules (test_parallel); `make test-slow` runs this and the two-process tests.
 """
 
 import json
@@ -10,6 +13,8 @@ import shutil
 
 import jax
 import pytest
+
+pytestmark = pytest.mark.slow
 
 from moelab import presets
 from moelab.config import override

@@ -61,7 +61,10 @@ def s3(s3_server, monkeypatch, tmp_path):
     s3fs.S3FileSystem.clear_instance_cache()
 
 
+@pytest.mark.slow
 def test_a_store_prepared_into_a_bucket_trains_like_the_local_one(s3, tmp_path, monkeypatch, capsys):
+    """`slow` (issue 27): two trainings, ~10 s on 2 cores; the fast suite keeps a run publishing its files to
+    the bucket as it goes and `lab run` publishing the ledger export and the report."""
     data_yaml = write_corpus(tmp_path / "corpus")
     url = f"s3://{BUCKET}/stores/web"
     code, out, err = run_cli(["data", "prepare", "--preset", "tiny", "--data", str(data_yaml), "--out", url,
@@ -146,7 +149,10 @@ def test_an_unreachable_url_missing_credentials_or_bucket_exit_2_before_training
     assert code == 2 and message in err, err
 
 
+@pytest.mark.slow
 def test_lab_run_publishes_the_runs_files_the_ledger_export_and_the_report(s3, tmp_path, monkeypatch, capsys):
+    """`slow` (issue 27): a `lab run` and its report, ~25 s on 2 cores; the fast suite keeps a training run
+    publishing its files to the bucket as it goes (the same publisher)."""
     import yaml
     from test_executor import _tiny_spec
 

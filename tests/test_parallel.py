@@ -104,9 +104,15 @@ def _reference(grad_fn, inputs, latent: bool):
     return _references[key]
 
 
-@pytest.mark.parametrize("latent", [False, True], ids=["full-width", "latent"])
-@pytest.mark.parametrize("num_waves", [1, 3])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+# Mesh x waves x width, 8 cases: the fast suite runs the half in which every pair of settings still meets
+# (each mesh with one and three waves, full width and latent; each wave count with both widths); the other
+# half is `slow` (issue 27: ~10 s of compile each on 2 cores).
+_LAYER_GRID = [pytest.param(mesh_name, num_waves, latent, id=f"{mesh_name}-{num_waves}-{'latent' if latent else 'full-width'}",
+                            marks=() if ((mesh_name == "2x4") + (num_waves == 1) + latent) % 2 == 0 else pytest.mark.slow)
+               for mesh_name in MESHES for num_waves in (1, 3) for latent in (False, True)]
+
+
+@pytest.mark.parametrize("mesh_name, num_waves, latent", _LAYER_GRID)
 def test_ep_moe_layer_matches_dense_in_output_and_every_gradient(mesh_name, num_waves, latent):
     """Shared experts on; gradients of every MoE parameter (router, experts, latent, shared) and of the input."""
     mesh = mesh_lib.make_mesh(MESHES[mesh_name])
@@ -157,7 +163,9 @@ def _model_inputs(latent: bool):
     return params, tokens, bias, jax.random.normal(k_cot, (B, S, cfg.vocab_size))
 
 
-@pytest.mark.parametrize("mesh_name, num_waves, latent", [("2x4", 3, True), ("1x8", 1, False)])
+# 1x8 with one full-width wave is `slow` (issue 27): the layer-level 1x8 cases stay in the fast suite.
+@pytest.mark.parametrize("mesh_name, num_waves, latent",
+                         [("2x4", 3, True), pytest.param("1x8", 1, False, marks=pytest.mark.slow)])
 def test_ep_model_matches_dense_in_logits_and_every_parameter_gradient(mesh_name, num_waves, latent):
     mesh = mesh_lib.make_mesh(MESHES[mesh_name])
     cfg = _ep_cfg(latent, num_waves)
@@ -333,6 +341,7 @@ def _adam_gradient(before, after, beta1: float):
                         optax.tree.get(after.opt_state, "mu"), optax.tree.get(before.opt_state, "mu"))
 
 
+@pytest.mark.slow
 def test_every_ep_step_of_the_train_command_on_the_2x4_mesh_equals_the_dense_step_from_the_same_state(
         monkeypatch, capsys, tmp_path):
     """`moelab train --mesh replica=2,expert=4` saves its state after each of 8 steps. From every
@@ -363,6 +372,10 @@ def test_every_ep_step_of_the_train_command_on_the_2x4_mesh_equals_the_dense_ste
     the wrong batch), the loss moves by 1e-2 and a gradient by 0.7 (asserted below); capacity factor
     1.15, which drops 10-35% of assignments here, moves the loss by only 3e-6 to 2e-4 but a
     gradient by 0.3-1.1. The run must learn, so that equal updates are not equal zeros.
+
+    `slow` (issue 27): eight steps of the train command plus a dense reference per step, ~85 s on 2
+    cores. The fast suite keeps the same function at one step: the EP model's logits and every gradient
+    on 2x4 (test_ep_model_matches_dense...) and the EP train step's drop accounting.
     """
     steps = 8
     sets = {"model.seq_len": 32, "train.warmup_steps": 10, "train.log_every": 1, "train.eval_every": 50,
@@ -429,8 +442,12 @@ def test_every_ep_step_of_the_train_command_on_the_2x4_mesh_equals_the_dense_ste
                    jax.tree.leaves(_adam_gradient(states[-2], wrong, beta1)))) > 1e-1
 
 
+@pytest.mark.slow
 def test_train_step_reports_ep_drops_per_stage_and_they_add_up_to_the_drop_fraction():
-    """Squeezed pools and buffers drop at both stages; the metrics say how much at each."""
+    """Squeezed pools and buffers drop at both stages; the metrics say how much at each.
+
+    `slow` (issue 27): a whole EP train step compiled on 2x4, ~30 s on 2 cores; the fast suite keeps the
+    drops at both stages counted exactly on one layer (test_capacity_factor_one_with_a_skewed_router...)."""
     cfg = override(presets.get("tiny"), {"model.moe.dispatch": "ep", "model.moe.capacity_factor": 0.5,
                                          "model.moe.transport_capacity_factor": 0.5, "train.batch_size": 8,
                                          "model.seq_len": 16})
@@ -498,9 +515,13 @@ def test_expert_sharded_mesh_without_the_ep_backend_is_rejected_by_name():
 # all-to-all bytes from the compiled step
 
 
+@pytest.mark.slow
 def test_latent_moe_halves_all_to_all_bytes_and_waves_keep_the_total():
     """Counted in the compiled train step's HLO. Exactly the analytic count; the int32 expert ids add
-    1 / (4 Din) to the row bytes, so latent / full width is 0.502 here, within 2% of 0.5."""
+    1 / (4 Din) to the row bytes, so latent / full width is 0.502 here, within 2% of 0.5.
+
+    `slow` (issue 27): three train steps compiled on the 2x4 mesh, ~40 s on 2 cores; the layer-level
+    latent cases above keep latent EP's function in the fast suite."""
     comm = load_benchmark("comm_bytes")
     cfg, mesh = comm.small_config(), MESHES["2x4"]
     variants = {(latent, w): comm._variant(cfg, mesh, latent, w) for latent, w in [(True, 1), (False, 1), (True, 3)]}

@@ -1,4 +1,8 @@
-"""Live tracking: the mixture log adds up, samples appear at each eval, the ledger and W&B get every output."""
+"""Live tracking: the mixture log adds up, samples appear at each eval, the ledger and W&B get every output.
+
+`slow` (issue 27): a 20-step training of its own shape in the module fixture and two more, ~50 s on 2 cores.
+The fast suite keeps the mixture's phases (test_data) and `lab run` putting every step on
+the ledger (test_executor)."""
 
 import json
 
@@ -12,6 +16,7 @@ from moelab.lab import ledger as ledger_lib
 from moelab.lab import tracking
 from moelab.train.loop import prepare_corpus, train
 
+pytestmark = pytest.mark.slow
 STEPS, EVAL_EVERY, SNAPSHOT_EVERY = 20, 10, 5
 
 
@@ -166,11 +171,14 @@ def test_change_message_lists_only_changed_domains():
     assert msg == "phase a -> b at step 240 (80% of 300 steps): y 0.50 -> 0.25, z 0.00 -> 0.25"
 
 
+@pytest.mark.slow
 def test_moelab_train_wandb_names_the_run_keeps_readme_metric_names_and_a_resume_continues_it(
         tmp_path, monkeypatch, capsys):
     """`moelab train --wandb --name`: offline under OUT/wandb, the run named as asked, router_bias/max_abs
     under its README name (not train/router_bias/...), and a resumed run logs into the same W&B run (one
-    id, kept in OUT/wandb/moelab_run_id)."""
+    id, kept in OUT/wandb/moelab_run_id).
+
+    `slow` (issue 27): two trainings of their own, ~25 s on 2 cores; the module fixture's W&B sink stays."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
