@@ -3,6 +3,7 @@
     moelab eval runs/tiny --data my-data.yaml             # a data section's domains (files, globs, hf:...)
     moelab eval runs/tiny --data notes.txt --data web.jsonl.gz --json     # files, one domain each
     moelab eval runs/tiny --tasks my_mc --include-path tasks/             # lm-evaluation-harness tasks
+    moelab eval runs/tiny --arithmetic --every-checkpoint --json          # exact match on held-out sums
 """
 
 from __future__ import annotations
@@ -48,7 +49,13 @@ def evaluate(
     tasks: Annotated[Optional[str], typer.Option(
         help="lm-evaluation-harness tasks, comma-separated (installed ones, or YAML tasks under --include-path).")] = None,
     include_path: Annotated[Optional[Path], typer.Option(help="A folder of lm-eval task YAML files.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="With --tasks: at most this many examples per task.")] = None,
+    limit: Annotated[Optional[int], typer.Option(
+        help="With --tasks or --arithmetic: at most this many examples per task.")] = None,
+    arithmetic: Annotated[bool, typer.Option(
+        "--arithmetic", help="Exact-match accuracy and answer loss on the run's held-out arithmetic problems "
+                             "(`417 + 86 = 503`), scored as greedy decoding would answer.")] = False,
+    every_checkpoint: Annotated[bool, typer.Option(
+        "--every-checkpoint", help="With --arithmetic: score each saved checkpoint, not only the newest.")] = False,
     tokenizer: TokenizerOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -58,15 +65,24 @@ def evaluate(
     as in training); bits per byte divides the summed loss by the text's UTF-8 bytes, so it compares across
     tokenizers.
     """
-    if not data and not tasks:
-        raise ConfigError("give --data (a data YAML or a text / JSONL / Parquet file) or --tasks, e.g. "
-                          "`moelab eval runs/tiny --data notes.txt`.")
+    if every_checkpoint and not arithmetic:
+        raise ConfigError("--every-checkpoint scores the arithmetic task per checkpoint: add --arithmetic.")
+    if not data and not tasks and not arithmetic:
+        raise ConfigError("give --data (a data YAML or a text / JSONL / Parquet file), --tasks or --arithmetic, "
+                          "e.g. `moelab eval runs/tiny --data notes.txt`.")
+    if (data or tasks) and arithmetic:
+        raise ConfigError("--arithmetic prints its own table: run it apart from --data and --tasks.")
+    if limit is not None and limit < 1:
+        raise ConfigError("--limit must be >= 1.")
     if include_path is not None and not include_path.is_dir():
         raise ConfigError(f"--include-path {include_path} is not a folder; give the folder of your task YAML files.")
     if batch_size < 1 or (max_tokens is not None and max_tokens < 1):  # before any checkpoint is read
         raise ConfigError("--batch-size and --max-tokens must be >= 1.")
     from moelab.train.weights import load_run
 
+    if arithmetic:
+        _run_arithmetic(run, tokenizer, limit, every_checkpoint, json_out)
+        return
     cfg = _data_config(data) if data else None  # a bad data YAML is named before the checkpoint loads
     weights = load_run(run, tokenizer)  # once, for the tasks and the data
     if tasks:
@@ -115,4 +131,33 @@ def _run_tasks(run: Path, weights, tasks: str, include_path: Path | None, limit:
         for key, value in metrics.items():
             if isinstance(value, float) and "stderr" not in key:
                 table.add_row(task, key.split(",")[0], f"{value:.4f}")
+    out_console.print(table)
+
+
+def _run_arithmetic(run: Path, tokenizer: Path | None, limit: int | None, every_checkpoint: bool,
+                    json_out: bool) -> None:
+    """The arithmetic task at the newest checkpoint, or at each one (oldest first), as a table or JSON."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from moelab.evals.arithmetic import heldout_problems, score_problems
+    from moelab.train.weights import checkpoint_steps, load_run
+
+    newest = load_run(run, tokenizer)  # names a run without checkpoints before anything is scored
+    problems = heldout_problems(newest.cfg.data, limit)
+    steps = [s for s in checkpoint_steps(run) if s <= newest.step] if every_checkpoint else [newest.step]
+    rows = []
+    with Progress(TextColumn("[bold]arithmetic"), BarColumn(), MofNCompleteColumn(), console=err_console,
+                  transient=True) as progress:
+        bar = progress.add_task("checkpoints", total=len(steps))
+        for step in steps:
+            weights = newest if step == newest.step else load_run(run, tokenizer, step)
+            score = score_problems(weights, problems)
+            rows.append({"step": step, **score._asdict()})
+            progress.advance(bar)
+    if json_out:
+        print(json.dumps({"run": str(run), "task": "arithmetic", "checkpoints": rows}))
+        return
+    table = Table("step", "accuracy", "task loss", "problems", title=f"{run}: arithmetic exact match")
+    for row in rows:
+        table.add_row(str(row["step"]), f"{row['accuracy']:.3f}", f"{row['task_loss']:.4f}", f"{row['problems']:,}")
     out_console.print(table)

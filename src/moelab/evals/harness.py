@@ -14,17 +14,14 @@ lm-eval is an optional dependency (`pip install lm_eval`), imported only here.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moelab.errors import ConfigError
-from moelab.evals.loss import token_stream, windows
-from moelab.model import decode, transformer
-from moelab.model.dispatch import make_dispatch
+from moelab.evals.loss import make_token_scores, token_stream, windows
+from moelab.model import decode
 
 __all__ = ["make_lm", "run_tasks"]
 
@@ -44,15 +41,7 @@ def make_lm(run: Any, batch_size: int = 8):
     _, LM = _import_lm_eval()
     cfg, tok = run.cfg.model, run.tokenizer
     S = cfg.seq_len
-    dispatch = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
-
-    @jax.jit
-    def scored(params, router_bias, tokens):  # tokens [B, S+1] -> (nats [B, S], target is argmax [B, S])
-        logits, _ = transformer.apply(params, tokens[:, :-1], cfg, router_bias, dispatch=dispatch)
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < tok.vocab_size, logits, -jnp.inf)
-        targets = tokens[:, 1:]
-        nats = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        return nats, jnp.argmax(logits, axis=-1) == targets
+    scored = make_token_scores(cfg, tok.vocab_size)  # tokens [B, S+1] -> (nats [B, S], target is argmax [B, S])
 
     def score_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out_nats, out_greedy = [], []

@@ -33,7 +33,8 @@ from moelab.errors import DataError
 from moelab.model import transformer
 from moelab.model.dispatch import make_dispatch
 
-__all__ = ["DomainScore", "domain_documents", "token_stream", "windows", "make_token_losses", "evaluate_documents"]
+__all__ = ["DomainScore", "domain_documents", "token_stream", "windows", "make_token_losses", "make_token_scores",
+           "evaluate_documents"]
 
 
 class DomainScore(NamedTuple):
@@ -82,6 +83,23 @@ def make_token_losses(cfg: ModelConfig) -> Callable[[Any, jax.Array, jax.Array],
         return lse - jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
 
     return jax.jit(losses)
+
+
+def make_token_scores(cfg: ModelConfig, vocab_size: int) -> Callable[[Any, jax.Array, jax.Array], tuple]:
+    """A jitted `scores(params, router_bias, tokens [B, S+1]) -> (nats [B, S], target is the argmax [B, S])`,
+    logits past the tokenizer's `vocab_size` masked out (a padded vocabulary must not win a greedy pick);
+    the routed experts `dropless`. What task scoring needs: a continuation's loss and whether greedy
+    decoding would write it."""
+    dispatch = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
+
+    def scores(params, router_bias, tokens):
+        logits, _ = transformer.apply(params, tokens[:, :-1], cfg, router_bias, dispatch=dispatch)
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
+        targets = tokens[:, 1:]
+        nats = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        return nats, jnp.argmax(logits, axis=-1) == targets
+
+    return jax.jit(scores)
 
 
 def evaluate_documents(run: Any, documents: Mapping[str, Sequence[str]], *, batch_size: int = 8,

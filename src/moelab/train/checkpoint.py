@@ -174,23 +174,30 @@ class Checkpointer:
         the step can be saved again when training reaches it (Orbax refuses to overwrite a step); a
         read-only Checkpointer skips it instead.
         """
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
         for step in self.steps():
-            if not mesh_lib.from_process_0(lambda: self.is_valid(step)):
-                if not self.read_only:
-                    self._set_aside(step, f"its files do not match {MANIFEST}")
-                continue
-            args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
-            try:
-                restored, error = self._manager.restore(step, args=args), None
-            except Exception as e:  # Orbax raises many types; any failure means "not usable"
-                restored, error = None, f"{type(e).__name__}: {e}"
-            if not mesh_lib.on_every_process(error is None):
-                if not self.read_only:
-                    self._set_aside(step, f"it could not be restored: {error or 'on another process'}")
-                continue
-            return Restored(step, restored.state, dict(restored.meta))
+            restored = self.restore(step, like)
+            if restored is not None:
+                return restored
         return None
+
+    def restore(self, step: int, like: Any) -> Restored | None:
+        """Checkpoint `step` shaped like `like` if it verifies and loads; None otherwise (and, unless
+        read-only, the failed step is moved aside as in `restore_newest`)."""
+        if not mesh_lib.from_process_0(lambda: self.is_valid(step)):
+            if not self.read_only:
+                self._set_aside(step, f"its files do not match {MANIFEST}")
+            return None
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        try:
+            restored, error = self._manager.restore(step, args=args), None
+        except Exception as e:  # Orbax raises many types; any failure means "not usable"
+            restored, error = None, f"{type(e).__name__}: {e}"
+        if not mesh_lib.on_every_process(error is None):
+            if not self.read_only:
+                self._set_aside(step, f"it could not be restored: {error or 'on another process'}")
+            return None
+        return Restored(step, restored.state, dict(restored.meta))
 
     def _set_aside(self, step: int, why: str) -> Path:
         """Rename a failed step to `<step>.corrupt-<UTC time>`, warning with both paths; returns the new one.

@@ -25,7 +25,7 @@ from moelab.train import outputs
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.state import init_state
 
-__all__ = ["RunWeights", "load_run", "load_tokenizer"]
+__all__ = ["RunWeights", "checkpoint_steps", "load_run", "load_tokenizer"]
 
 
 class RunWeights(NamedTuple):
@@ -55,12 +55,14 @@ def load_tokenizer(out: Path, cfg: RunConfig, tokenizer: Path | None = None) -> 
                     "theirs). Pass the tokenizer.json it was trained with, e.g. --tokenizer STORE/tokenizer.json.")
 
 
-def load_run(out: str | Path, tokenizer: Path | None = None) -> RunWeights:
-    """The run in `out` at its newest valid checkpoint, on one device; DataError if `out` has none.
+def load_run(out: str | Path, tokenizer: Path | None = None, step: int | None = None) -> RunWeights:
+    """The run in `out` at its newest valid checkpoint (or at `step`), on one device; DataError if `out` has
+    none (or `step` is not a valid checkpoint of it).
 
     Args:
         out: a run directory written by `moelab train` (`config.yaml`, `checkpoints/`).
         tokenizer: a tokenizer.json to use instead of the run's own.
+        step: a checkpoint step (`checkpoint_steps`) instead of the newest.
     """
     out = Path(out)
     config = out / outputs.CONFIG
@@ -81,11 +83,20 @@ def load_run(out: str | Path, tokenizer: Path | None = None) -> RunWeights:
                         jax.eval_shape(lambda: init_state(cfg)))
     checkpoints = Checkpointer(ckpt_dir, cfg.checkpoint, read_only=True)  # the run may still be training
     try:
-        restored = checkpoints.restore_newest(like=like)
+        restored = checkpoints.restore_newest(like=like) if step is None else checkpoints.restore(step, like)
     finally:
         checkpoints.close()
+    if restored is None and step is not None:
+        raise DataError(f"run {out} has no valid checkpoint at step {step} in {ckpt_dir}; its steps are "
+                        f"{checkpoint_steps(out)}.")
     if restored is None:
         raise DataError(f"run {out} has no valid checkpoint in {ckpt_dir} (each one failed its manifest check, "
                         "or is a save still in progress); train it again to save one, or wait for the save.")
     state = restored.state
     return RunWeights(cfg, state.params, state.router_bias, restored.step, tok)
+
+
+def checkpoint_steps(out: str | Path) -> list[int]:
+    """The steps of the checkpoints saved in run `out`, oldest first (sealed or not: `load_run` checks)."""
+    ckpt_dir = Path(out) / outputs.CHECKPOINTS
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
