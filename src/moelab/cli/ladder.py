@@ -4,6 +4,7 @@
     moelab ladder run experiments/ladder-cpu.yaml --out runs/ladder
     moelab ladder fit --curves CURVES.csv --target TARGET.csv --out PRED.csv --json
     moelab ladder compare runs/ladder-baseline runs/ladder-candidate
+    moelab ladder task TASK_POINTS.csv --target-compute 2.4e15 --json   # the target's task accuracy
 """
 
 from __future__ import annotations
@@ -206,3 +207,31 @@ def compare(
     for row in rows:
         table.add_row(row["run"], f"{row['train_flops']:.3g}", f"{row['loss']:.4f}", f"{row['speedup']:.3f}x")
     out_console.print(table)
+
+
+@ladder_app.command()
+def task(
+    points: Annotated[Path, typer.Argument(help="TASK_POINTS.csv: run,compute,task_loss,accuracy,final (one row per "
+                                                "rung checkpoint, from `moelab eval RUN --arithmetic --every-checkpoint`).")],
+    target_compute: Annotated[float, typer.Option(help="The target's training FLOPs (`moelab flops`).")],
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap refits over the rung runs for the 95% band.")] = 400,
+    json_out: JsonOpt = False,
+) -> None:
+    """Predict the target's final task accuracy: compute -> task loss -> accuracy, fitted on the rungs."""
+    from moelab.ladder.task import predict_task, read_task_points
+
+    if bootstrap < 20:
+        raise ConfigError(f"--bootstrap {bootstrap} is too few refits for a 95% band; use 20 or more (default 400).")
+    pred = predict_task(read_task_points(points), target_compute, num_bootstrap=bootstrap)
+    result = {"task_predicted": pred.accuracy, "lo95": pred.lo95, "hi95": pred.hi95,
+              "task_loss_predicted": pred.task_loss, "task_loss_lo95": pred.task_loss_lo95,
+              "task_loss_hi95": pred.task_loss_hi95, "law": pred.law._asdict(), "runs": pred.runs,
+              "notes": list(pred.notes)}
+    if json_out:
+        print(json.dumps(result))
+        return
+    out_console.print(f"target at {target_compute:.3g} FLOPs: accuracy {pred.accuracy:.3f} "
+                      f"[{pred.lo95:.3f}, {pred.hi95:.3f}], task loss {pred.task_loss:.4f} "
+                      f"[{pred.task_loss_lo95:.4f}, {pred.task_loss_hi95:.4f}] (95%, {pred.runs} rung runs)")
+    for note in pred.notes:
+        err_console.print(f"note: {escape(note)}")

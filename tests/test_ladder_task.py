@@ -1,0 +1,79 @@
+"""The ladder's task prediction (`moelab.ladder.task`, `moelab ladder task`) on synthetic rungs drawn from a
+known two-step law: it recovers the target's accuracy inside its band, and says when it cannot."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from helpers import run_cli
+from moelab.errors import DataError
+from moelab.ladder.task import COLUMNS, TaskLaw, TaskPoint, fit_task_law, predict_task, read_task_points
+
+TRUE = TaskLaw(E=0.8, A=2.0, alpha=0.35, c_min=1e12, k=6.0, l_half=1.6)
+RUNGS = (1e12, 2.5e12, 6e12, 1.5e13)
+TARGET = 6e13
+
+
+def _points(seed: int, law: TaskLaw = TRUE, noise: float = 0.01, seeds_per_rung: int = 2) -> list[TaskPoint]:
+    """Four checkpoints of each rung run (a quarter to all of its compute), loss and accuracy with noise."""
+    rng, points = np.random.default_rng(seed), []
+    for i, final_compute in enumerate(RUNGS):
+        for s in range(seeds_per_rung):
+            for frac in (0.25, 0.5, 0.75, 1.0):
+                loss = float(law.task_loss(final_compute * frac)) * (1 + rng.normal(0, noise))
+                accuracy = float(np.clip(law.accuracy(loss) + rng.normal(0, noise), 0, 1))
+                points.append(TaskPoint(f"d{i}-s{s}", final_compute * frac, loss, accuracy, frac == 1.0))
+    return points
+
+
+def test_both_steps_recover_the_law_they_were_drawn_from():
+    law = fit_task_law(_points(0, noise=0.0))
+    for compute in (*RUNGS, TARGET):
+        assert float(law.task_loss(compute)) == pytest.approx(float(TRUE.task_loss(compute)), rel=1e-3)
+    assert (law.k, law.l_half) == pytest.approx((TRUE.k, TRUE.l_half), rel=1e-3)
+
+
+def test_the_target_accuracy_lies_inside_its_band_and_within_four_points_on_noisy_rungs():
+    """1% noise on every loss and accuracy, two runs per rung: measured errors -1.7 to +2.9 points."""
+    truth = float(TRUE.accuracy(TRUE.task_loss(TARGET)))
+    covered = 0
+    for seed in range(5):
+        pred = predict_task(_points(seed), TARGET, num_bootstrap=100, seed=seed)
+        assert pred.lo95 <= pred.accuracy <= pred.hi95 and pred.task_loss_lo95 <= pred.task_loss <= pred.task_loss_hi95
+        assert abs(pred.accuracy - truth) < 0.04, (seed, pred.accuracy, truth)
+        covered += pred.lo95 <= truth <= pred.hi95
+    assert covered >= 4
+
+
+def test_flat_accuracy_is_named_and_too_few_computes_refused():
+    flat = [p._replace(accuracy=0.0) for p in _points(0)]
+    assert any("not placed by the rungs" in note for note in predict_task(flat, TARGET, num_bootstrap=50).notes)
+    two = [p for p in _points(0) if p.run.startswith(("d0", "d1"))]
+    with pytest.raises(DataError, match="three or more computes"):
+        fit_task_law(two)
+
+
+def _write(path, points):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows([(p.run, p.compute, p.task_loss, p.accuracy, int(p.final)) for p in points])
+
+
+def test_ladder_task_prints_the_prediction_and_names_a_bad_row(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "task_points.csv"
+    _write(path, _points(1))
+    assert read_task_points(path) == [p._replace(compute=float(p.compute)) for p in _points(1)]
+    code, out, err = run_cli(["ladder", "task", str(path), "--target-compute", str(TARGET), "--bootstrap", "50",
+                              "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["lo95"] <= result["task_predicted"] <= result["hi95"] and result["runs"] == 8
+    path.write_text(path.read_text().replace(",1.0,", ",2.0,", 1) + "d9,big,1.0,0.5,1\n")
+    code, out, err = run_cli(["ladder", "task", str(path), "--target-compute", "1e15"], monkeypatch, capsys)
+    assert code == 2 and out == "" and "line " in err and "Traceback" not in err
+    code, _, err = run_cli(["ladder", "task", str(path), "--target-compute", "1e15", "--bootstrap", "5"],
+                           monkeypatch, capsys)
+    assert code == 2 and "--bootstrap 5" in err
