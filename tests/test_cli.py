@@ -124,8 +124,8 @@ def test_missing_or_empty_data_file_exits_2_naming_it(content, message, tmp_path
 def test_train_command_writes_config_metrics_and_summary(tmp_path):
     """End to end through the installed entry point, as a user runs it.
 
-    `slow` (issue 27): a cold subprocess, ~35 s on 2 cores. The fast suite keeps `python -m moelab.cli train`
-    in subprocesses (test_faults) and the train command's files in process (test_checkpoint, test_tracking)."""
+    `slow` (issue 27): a cold subprocess, ~35 s on 2 cores. The fast suite keeps the train command's files
+    in process (test_checkpoint) and `moelab lab run` training a registered config (test_executor)."""
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "moelab.cli", "train", "--preset", "tiny", "--steps", "4", "--out", str(out),

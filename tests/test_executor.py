@@ -309,7 +309,7 @@ def test_lab_run_stopped_by_ctrl_c_exits_75_and_the_next_lab_run_resumes_from_th
     """Ctrl-C reaches `train` as SIGINT: it saves and raises Preempted, which `lab run` records as PREEMPTED.
 
     `slow` (issue 27): two trainings of their own, ~10 s on 2 cores; the fast suite keeps a preempted step
-    blocking what depends on it and resuming in place (the DAG tests above) and test_faults' SIGTERM stop."""
+    blocking what depends on it and resuming in place (the DAG tests above) and test_checkpoint's reruns."""
     from moelab.lab import tracking  # imports JAX
 
     monkeypatch.chdir(tmp_path)

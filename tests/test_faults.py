@@ -10,6 +10,10 @@ optimizer and router state, and every metric record. Faults:
 - a file-size limit (RLIMIT_FSIZE) imposed mid-run, so the next checkpoint write fails: exit 1 with
   a message naming the step and the previous checkpoint, which stays usable.
 A wider sweep of kill times is `benchmarks/fault_sweep.py`.
+
+`slow` (issue 27): a reference subprocess run and a killed run plus a rerun per test, ~25 s each on 2 cores.
+The fast suite keeps a damaged newest checkpoint moved aside and the run finished by reruns
+(test_checkpoint) and a finished run recognised before anything compiles (test_train).
 """
 
 import json
@@ -23,6 +27,8 @@ from pathlib import Path
 
 import pytest
 import moelab
+
+pytestmark = pytest.mark.slow
 from helpers import assert_same_run, final_state, run_cli, train_args, train_command, wait_for
 
 STEPS = 16
@@ -76,12 +82,9 @@ def _rerun_and_compare(reference, out, monkeypatch, capsys) -> str:
     return stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_run_killed_at_a_random_moment_resumes_to_bitwise_the_same_run(reference, tmp_path, seed,
                                                                          monkeypatch, capsys):
-    """`slow` (issue 27): a training subprocess and a rerun per seed, ~30 s on 2 cores. The fast suite keeps
-    SIGTERM's stop and bitwise rerun (below) and test_checkpoint's damaged newest checkpoints."""
     out = tmp_path / "run"
     proc = subprocess.Popen(train_command(out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(out / "checkpoints" / "4" / "moelab_manifest.json", proc)
@@ -93,9 +96,6 @@ def test_a_run_killed_at_a_random_moment_resumes_to_bitwise_the_same_run(referen
     _rerun_and_compare(reference, out, monkeypatch, capsys)
 
 
-# `slow` (issue 27): a killed subprocess and a rerun per point, ~25 s on 2 cores; the fast suite keeps
-# SIGTERM's stop and bitwise rerun (below) and test_checkpoint's damaged newest checkpoints.
-@pytest.mark.slow
 @pytest.mark.parametrize("point", ["orbax-commit", "manifest"])
 def test_a_run_killed_inside_a_checkpoint_save_resumes_to_bitwise_the_same_run(reference, tmp_path, point,
                                                                               monkeypatch, capsys):
@@ -122,15 +122,12 @@ def test_sigterm_saves_exits_75_and_the_rerun_ends_bitwise_the_same(reference, t
     _rerun_and_compare(reference, out, monkeypatch, capsys)
 
 
-@pytest.mark.slow
 def test_a_checkpoint_write_that_fails_mid_run_exits_1_and_keeps_the_previous_checkpoint(reference, tmp_path,
                                                                                          monkeypatch, capsys):
     """A full disk, in effect: once step 4 is saved, no file may grow past 256 KiB. The logs stay under
     it; step 8's largest array file (about 2 MB) does not, so its save fails with EFBIG (Python ignores
     SIGXFSZ, so the write returns an error instead of killing the process).
-
-    `slow` (issue 27): ~20 s on 2 cores; the fast suite keeps a damaged newest checkpoint moved aside with
-    the previous one used (test_checkpoint)."""
+"""
     out = tmp_path / "run"
     proc = subprocess.Popen(train_command(out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(out / "checkpoints" / "4" / "moelab_manifest.json", proc)

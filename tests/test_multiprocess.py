@@ -71,7 +71,7 @@ def _wait(procs: list[subprocess.Popen], logs: Path, timeout: float = 240) -> li
 
 
 # `slow` (issue 27): four cold `moelab train` processes, ~75 s on 2 cores per mesh. The fast suite keeps
-# test_parallel's expert parallelism on 8 simulated devices and test_multihost_writes' process-0-writes rules.
+# test_parallel's expert parallelism on 8 simulated devices and the multi-host start's rules.
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["replica=2", "expert=2"],
                          ids=["data-parallel", "expert-parallel"])
@@ -103,8 +103,8 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step_and_both_resume(tmp
     """SIGTERM reaches only process 1 (a scheduler preempting one host). Saving is a collective, so
     both must agree to stop after the same step; then the same command resumes both.
 
-    `slow` (issue 27): four cold `moelab train` processes, ~70-110 s on 2 cores. The fast suite keeps
-    test_multihost_writes (process 0 writes, process 1 reads, both resume) and test_faults' SIGTERM stop."""
+    `slow` (issue 27): four cold `moelab train` processes, ~70-110 s on 2 cores. The fast suite keeps the
+    multi-host start's rules (test_parallel); test_multihost_writes and test_faults (SIGTERM) are slow too."""
     def args(steps: int) -> list[str]:
         return [*TRAIN, "--mesh", "replica=2", "--steps", str(steps), "--set", "train.log_every=1",
                 "--out", str(tmp_path / "run")]

@@ -189,7 +189,7 @@ def test_a_store_corpus_samples_as_an_in_memory_one_would(prepared, corpus_dir):
 @pytest.mark.slow
 def test_training_from_a_store_resumes_exactly_and_refuses_another_store(prepared, corpus_dir, tmp_path):
     """`slow` (issue 27): three trainings of their own shape, ~35 s on 2 cores. The fast suite keeps a store
-    sampling as the in-memory corpus would, its hash in the step version, and test_faults' exact resume."""
+    sampling as the in-memory corpus would, its hash in the step version, and test_checkpoint's resumes."""
     from moelab.train.loop import Hooks, train
 
     cfg = _store_run(corpus_dir, prepared[0])
