@@ -17,6 +17,7 @@ a ladder's rungs and target, which share the data section, are scored on the sam
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -86,16 +87,22 @@ def problem_rows(tokenizer: Any, problems: Sequence[Problem], width: int) -> tup
     return rows, mask
 
 
+@functools.lru_cache(maxsize=8)
+def _token_scores(cfg, vocab_size: int):
+    """One jitted scorer per model, so `--every-checkpoint` compiles once, not once per checkpoint."""
+    from moelab.evals.loss import make_token_scores
+
+    return make_token_scores(cfg, vocab_size)
+
+
 def score_rows(run: Any, rows: np.ndarray, mask: np.ndarray, *, batch_size: int = 64
                ) -> tuple[np.ndarray, np.ndarray]:
     """Per row: the mean cross-entropy (nats) of the masked targets, and whether every masked target is the
     model's argmax given the tokens before it (what greedy decoding would write). `rows` [N, seq_len + 1],
     `mask` [N, seq_len] over the targets `rows[:, 1:]`. The last batch is padded to `batch_size`, so one
     program compiles per model."""
-    from moelab.evals.loss import make_token_scores
-
     width = rows.shape[1]
-    scores = make_token_scores(run.cfg.model, run.tokenizer.vocab_size)
+    scores = _token_scores(run.cfg.model, run.tokenizer.vocab_size)
     nats, greedy = [], []
     for start in range(0, len(rows), batch_size):
         chunk = np.zeros((batch_size, width), np.int32)
