@@ -3,6 +3,7 @@
     python benchmarks/ladder_cpu.py --json                       # experiments/ladder-cpu.yaml
     python benchmarks/ladder_cpu.py --recipe experiments/ladder-cpu-shallow.yaml --out runs/ladder-cpu-shallow
     python benchmarks/ladder_cpu.py --seeds 3                    # the target with train.seed 0, 1, 2
+    python benchmarks/ladder_cpu.py --task                       # also predicts the arithmetic task's accuracy
 
 Trains the recipe's rungs, fits the schedule-aware curve law on every eval of every rung (with the
 leave-largest-out self-check), predicts the target's whole eval curve with bands, then trains the
@@ -11,6 +12,11 @@ evals, and reports, per seed and over the seeds, the final-loss error and the cu
 evals after the first 10% of tokens, the 95% band's coverage, and the seed-to-seed spread of the
 final loss: an error below that spread is the floor (likewise `seed_floor_mape` for the per-seed
 MAPE: what a prediction of the recipe's true mean curve would score, from the seeds). Everything is resumable: re-running reuses finished rungs and finished targets.
+
+With `--task` every run also keeps a checkpoint at each quarter of its steps, each checkpoint is scored on the
+held-out arithmetic problems (`moelab.evals.arithmetic`, cached in OUT/task_points.csv), and the rungs'
+points predict the target's final exact-match accuracy (`moelab.ladder.task.predict_task`):
+`task_predicted`, its 95% band, `task_actual` (the mean over the target's seeds) and `task_abs_error`.
 """
 
 from __future__ import annotations
@@ -25,11 +31,58 @@ from pathlib import Path
 import numpy as np
 
 from moelab import accounting
+from moelab.ladder.task import TaskPoint, predict_task, read_task_points
 from moelab.ladder.predict import load_on_track, load_prediction, read_curves, score
 from moelab.ladder.rungs import load_recipe
-from moelab.ladder.run import curve_rows, plan_ladder, run_ladder, write_csv
+from moelab.ladder.run import curve_rows, plan_ladder, rung_dir, run_ladder, write_csv
 from moelab.train.loop import train
 from moelab.train.outputs import SUMMARY
+
+TASK_CHECKPOINTS = 4  # checkpoints kept per run with --task: each quarter of its steps
+TASK_PROBLEMS = 512  # held-out problems scored per checkpoint
+
+
+def with_task_checkpoints(cfg):
+    """`cfg` saving (and keeping) a checkpoint at each quarter of its steps, for the task's per-checkpoint scores."""
+    every = max(1, cfg.train.steps // TASK_CHECKPOINTS)
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, every=every, keep_every=every))
+
+
+def task_points(runs, cache: Path) -> list[TaskPoint]:
+    """Every checkpoint of every (name, config, run dir) on the arithmetic task, as TaskPoints; cached in `cache`
+    (a TASK_POINTS.csv), so a rerun scores only runs it has not seen."""
+    from moelab.evals.arithmetic import heldout_problems, score_problems
+    from moelab.train.weights import checkpoint_steps, load_run
+
+    points = read_task_points(cache) if cache.is_file() else []
+    seen = {p.run for p in points}
+    for name, cfg, run_dir in runs:
+        if name in seen:
+            continue
+        problems = heldout_problems(cfg.data, TASK_PROBLEMS)
+        steps = checkpoint_steps(run_dir)
+        for step in steps:
+            score = score_problems(load_run(run_dir, step=step), problems)
+            compute = float(accounting.flops_per_token(cfg.model)) * step * cfg.train.batch_size * cfg.model.seq_len
+            points.append(TaskPoint(name, compute, score.task_loss, score.accuracy, step == steps[-1]))
+        write_csv(cache, [p._asdict() for p in points])
+    return points
+
+
+def task_result(out: Path, rungs, targets) -> dict:
+    """The target's final task accuracy predicted from the rungs' points against the seeds' mean."""
+    points = task_points([*rungs, *targets], out / "task_points.csv")
+    names = {name for name, _, _ in targets}
+    target_cfg = targets[0][1]
+    compute = float(accounting.flops_per_token(target_cfg.model)) * accounting.train_tokens(target_cfg)
+    pred = predict_task([p for p in points if p.run not in names], compute)
+    actual = statistics.fmean(p.accuracy for p in points if p.run in names and p.final)
+    return {"task_predicted": pred.accuracy, "task_lo95": pred.lo95, "task_hi95": pred.hi95,
+            "task_actual": actual, "task_abs_error": abs(pred.accuracy - actual),
+            "task_inside_band": pred.lo95 <= actual <= pred.hi95,
+            "task_loss_predicted": pred.task_loss,
+            "task_loss_actual": statistics.fmean(p.task_loss for p in points if p.run in names and p.final),
+            "task_law": pred.law._asdict(), "task_notes": list(pred.notes), "task_problems": TASK_PROBLEMS}
 
 
 def seed_dir(out: Path, seed: int) -> Path:
@@ -86,20 +139,23 @@ def main() -> None:
     parser.add_argument("--recipe", default="experiments/ladder-cpu.yaml")
     parser.add_argument("--out", default="runs/ladder-cpu")
     parser.add_argument("--seeds", type=int, default=3, help="train the target with train.seed 0..SEEDS-1")
+    parser.add_argument("--task", action="store_true", help="also predict the arithmetic task's final accuracy")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     recipe, out = load_recipe(args.recipe), Path(args.out)
     start = time.perf_counter()
-    fit = run_ladder(recipe, out, lambda cfg, run_dir: train(cfg, run_dir))
+    prepare = with_task_checkpoints if args.task else (lambda cfg: cfg)
+    fit = run_ladder(recipe, out, lambda cfg, run_dir: train(prepare(cfg), run_dir))
     ladder_s = time.perf_counter() - start
     _, target = plan_ladder(recipe)
-    seeds = {}
+    seeds, targets = {}, []
     for seed in range(args.seeds):
         cfg = replace(target, train=replace(target.train, seed=seed))
         run_dir = seed_dir(out, seed)
+        targets.append((run_dir.name, cfg, run_dir))
         if not (run_dir / SUMMARY).is_file():
-            train(cfg, run_dir)
+            train(prepare(cfg), run_dir)
         seeds[seed] = score_seed(out / "prediction.csv", cfg, run_dir)
     floors = seed_floors(out, args.seeds)
     finals = [s["final_actual"] for s in seeds.values()]
@@ -133,6 +189,8 @@ def main() -> None:
         "notes": fit["notes"],
         "seeds": seeds,
     }
+    if args.task:
+        result.update(task_result(out, [(cfg.name, cfg, rung_dir(out, cfg)) for cfg in plan_ladder(recipe)[0]], targets))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

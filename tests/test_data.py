@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moelab.config import DataConfig, DomainConfig, PhaseConfig
-from moelab.errors import DataError
+from moelab.errors import ConfigError, DataError
 from moelab.data.mixture import (
     Batch,
     Corpus,
@@ -86,11 +86,14 @@ def test_module_docstring_from_the_first_lines_matches_ast_on_the_whole_stdlib()
         assert _module_docstring(source) == ast.get_docstring(ast.parse(source)), path
 
 
-def test_arithmetic_documents_hold_32_correct_problems_each():
-    documents = load_documents(DomainConfig("arithmetic"), SMALL_BYTES, seed=3)
+@pytest.mark.parametrize("digits", [None, 3])
+def test_arithmetic_documents_hold_32_correct_problems_each(digits):
+    """Right answers at either difficulty; `data.arithmetic_digits` N draws each operand's digit count from 1..N,
+    so one-digit operands are about a third of them at N = 3 (1% when operands are uniform below 1000)."""
+    documents = load_documents(DomainConfig("arithmetic"), SMALL_BYTES, seed=3, digits=digits)
     line = re.compile(r"^(\d+) ([-+*]) (\d+) = (-?\d+)$")
     ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-    seen_ops = set()
+    seen_ops, operands = set(), []
     for doc in documents[:-1]:  # the last one may be cut short by the budget
         lines = doc.splitlines()
         assert len(lines) == 32
@@ -98,7 +101,17 @@ def test_arithmetic_documents_hold_32_correct_problems_each():
             a, op, b, answer = line.match(text).groups()
             assert ops[op](int(a), int(b)) == int(answer), text
             seen_ops.add(op)
+            operands.append(int(a))
     assert seen_ops == {"+", "-", "*"}
+    assert max(operands) < 1000
+    one_digit = np.mean(np.array(operands) < 10)
+    assert (0.25 < one_digit < 0.42) if digits == 3 else one_digit < 0.03
+
+
+def test_arithmetic_digits_must_be_a_digit_count():
+    for bad in (0, 7, 2.5, True, "3"):
+        with pytest.raises(ConfigError, match="data.arithmetic_digits"):
+            DataConfig(arithmetic_digits=bad)
 
 
 def test_arithmetic_documents_depend_on_the_seed_and_stop_at_one_megabyte():

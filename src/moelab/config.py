@@ -305,9 +305,16 @@ class DataConfig:
     max_bytes_per_domain: int = 4_000_000  # caps each embedded domain (not user files) so start-up stays fast
     seed: int = 0  # the content of generated data (the arithmetic domain); train.seed is init and data order
     store: str | None = None  # a token store (`moelab data prepare`) every domain without its own `store` reads
+    # None: the arithmetic domain's operands are uniform below 1000. N: each operand's digit count is drawn from
+    # 1..N first, so short problems are common and a small model's exact match rises from 0 with scale.
+    arithmetic_digits: int | None = None
 
     def __post_init__(self) -> None:
         _finite_floats(self, "data.")
+        if self.arithmetic_digits is not None:
+            _check(isinstance(self.arithmetic_digits, int) and not isinstance(self.arithmetic_digits, bool)
+                   and 1 <= self.arithmetic_digits <= 6, "data.arithmetic_digits", self.arithmetic_digits,
+                   "must be an integer in 1..6 (the largest operand's digit count), or null for operands below 1000")
         _non_negative_int("data.seed", self.seed)
         names = [d.name for d in self.domains]
         _check(len(names) > 0, "data.domains", names, "list at least one domain")

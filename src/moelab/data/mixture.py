@@ -105,7 +105,7 @@ def build_corpus(cfg: DataConfig) -> Corpus:
     train_docs: dict[str, list[str]] = {}
     heldout_docs: dict[str, list[str]] = {}
     for domain in cfg.domains:
-        documents = load_documents(domain, cfg.max_bytes_per_domain, cfg.seed)
+        documents = load_documents(domain, cfg.max_bytes_per_domain, cfg.seed, cfg.arithmetic_digits)
         if len(documents) < 2:
             raise DataError(
                 f"data.domains[{domain.name}] yields {len(documents)} document(s); it needs at least 2 so that "

@@ -53,7 +53,7 @@ _HF_PREFIX = "hf:"  # hf:owner/name[:split], a dataset on the Hugging Face Hub
 _ROWS_PER_BATCH = 4096  # Parquet rows read at a time
 
 
-def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> list[str]:
+def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0, digits: int | None = None) -> list[str]:
     """The documents of one domain, in a deterministic order.
 
     Args:
@@ -62,6 +62,7 @@ def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> list[
             last one is cut at a line boundary, so the total never exceeds it. The arithmetic domain stops at
             1 MB even under a larger budget. User files are never cut: their data is read in full.
         seed: seeds the arithmetic problems (`data.seed`); the other domains do not depend on it.
+        digits: the arithmetic problems' difficulty (`data.arithmetic_digits`).
 
     Returns:
         The documents; a `files` domain that holds a single document is split into contiguous chunks at line
@@ -78,17 +79,17 @@ def load_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> list[
         return _take_within(_read_prose_documents(), max_bytes)
     if domain.name == "arithmetic":
         budget = min(max_bytes, _ARITHMETIC_MAX_BYTES)
-        return _take_within(_generate_arithmetic_documents(budget, seed), budget)
+        return _take_within(_generate_arithmetic_documents(budget, seed, digits), budget)
     raise DataError(f"data.domains[{domain.name}]: no embedded domain of that name; use code, prose or arithmetic.")
 
 
-def iter_documents(domain: DomainConfig, max_bytes: int, seed: int = 0) -> Iterator[str]:
+def iter_documents(domain: DomainConfig, max_bytes: int, seed: int = 0, digits: int | None = None) -> Iterator[str]:
     """`load_documents` as a stream, for `moelab data prepare`: a `files` domain is read file by file and a lone
     document is not split (the token store holds out whole documents as they stream by); an embedded domain,
     small by construction, is the same list."""
     if domain.kind == "files":
         return iter_file_documents(domain)
-    return iter(load_documents(domain, max_bytes, seed))
+    return iter(load_documents(domain, max_bytes, seed, digits))
 
 
 def _take_within(documents: Iterable[str], max_bytes: int) -> list[str]:
@@ -177,22 +178,35 @@ def _module_docstring(source: bytes) -> str | None:
 # embedded: arithmetic
 
 
-def _generate_arithmetic_documents(max_bytes: int, seed: int) -> Iterator[str]:
+def _generate_arithmetic_documents(max_bytes: int, seed: int, digits: int | None = None) -> Iterator[str]:
     """Documents of `a op b = c` lines (op in +, -, *), enough to fill `max_bytes`.
 
-    Addition and subtraction use operands below 1000; multiplication keeps the second operand below 100 so
-    products stay at most five digits.
+    With `digits` None, addition and subtraction use operands below 1000; multiplication keeps the second
+    operand below 100 so products stay at most five digits. With `digits` N, each operand first draws its
+    digit count from 1..N (the second operand of a product from 1..max(1, N - 1)), then a number of at most
+    that many digits: an easy problem is as common as a hard one, which is what a task that small models
+    should start to solve needs.
     """
     rng = np.random.default_rng(seed)
     num_lines = max_bytes // len("0 + 0 = 0\n") + _ARITHMETIC_LINES_PER_DOCUMENT  # the shortest line bounds it
     ops = rng.integers(0, 3, num_lines)
-    a = rng.integers(0, 1000, num_lines)
-    b = np.where(ops == 2, rng.integers(0, 100, num_lines), rng.integers(0, 1000, num_lines))
+    if digits is None:
+        a = rng.integers(0, 1000, num_lines)
+        b = np.where(ops == 2, rng.integers(0, 100, num_lines), rng.integers(0, 1000, num_lines))
+    else:
+        a = _operands(rng, np.full(num_lines, digits))
+        b = _operands(rng, np.where(ops == 2, max(1, digits - 1), digits))
     answers = np.select([ops == 0, ops == 1], [a + b, a - b], a * b)
     symbols = np.array(["+", "-", "*"])[ops]
     lines = [f"{x} {s} {y} = {z}\n" for x, s, y, z in zip(a.tolist(), symbols.tolist(), b.tolist(), answers.tolist())]
     for start in range(0, num_lines - _ARITHMETIC_LINES_PER_DOCUMENT + 1, _ARITHMETIC_LINES_PER_DOCUMENT):
         yield "".join(lines[start : start + _ARITHMETIC_LINES_PER_DOCUMENT])
+
+
+def _operands(rng: np.random.Generator, max_digits: np.ndarray) -> np.ndarray:
+    """Per entry, a digit count uniform in 1..max_digits, then an integer uniform below 10 ** that count."""
+    count = rng.integers(1, max_digits + 1)
+    return (rng.random(len(max_digits)) * 10.0 ** count).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------

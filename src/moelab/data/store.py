@@ -261,7 +261,7 @@ def _source_entries(domain: DomainConfig, cfg: DataConfig) -> list[dict]:
     if domain.kind == "embedded":
         digest = hashlib.sha256()
         size = 0
-        for doc in iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed):
+        for doc in iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed, cfg.arithmetic_digits):
             data = doc.encode("utf-8")
             digest.update(data)
             size += len(data)
@@ -345,8 +345,8 @@ def prepare(cfg: DataConfig, out: str | Path, shard_tokens: int = DEFAULT_SHARD_
     _write_json(root / PLAN, plan)
 
     def documents(domain: DomainConfig) -> Iterator[tuple[int, str, str]]:
-        return split_stream(iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed), cfg.heldout_fraction,
-                            f"data.domains[{domain.name}]")
+        stream = iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed, cfg.arithmetic_digits)
+        return split_stream(stream, cfg.heldout_fraction, f"data.domains[{domain.name}]")
 
     def train_documents() -> Iterator[str]:
         for domain in cfg.domains:

@@ -60,7 +60,7 @@ def heldout_problems(cfg: DataConfig, limit: int | None = None) -> list[Problem]
         raise DataError(f"the run's data has no embedded `{TASK}` domain (domains: "
                         f"{', '.join(d.name for d in cfg.domains)}), so it has no held-out problems to score; "
                         "the task needs a run trained on the default mixture or one that keeps that domain.")
-    documents = list(iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed))
+    documents = list(iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed, cfg.arithmetic_digits))
     _, heldout = split_documents(documents, cfg.heldout_fraction)
     problems = [p for doc in heldout for p in parse_problems(doc)]
     return problems[:limit] if limit is not None else problems

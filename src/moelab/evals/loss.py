@@ -48,7 +48,8 @@ class DomainScore(NamedTuple):
 
 def domain_documents(cfg: DataConfig) -> dict[str, list[str]]:
     """Every document of each of `cfg`'s domains (user files in full; embedded ones up to max_bytes_per_domain)."""
-    return {d.name: list(iter_documents(d, cfg.max_bytes_per_domain, cfg.seed)) for d in cfg.domains}
+    return {d.name: list(iter_documents(d, cfg.max_bytes_per_domain, cfg.seed, cfg.arithmetic_digits))
+            for d in cfg.domains}
 
 
 def token_stream(tokenizer: Any, documents: Sequence[str]) -> np.ndarray:
