@@ -42,11 +42,29 @@ def _recipe(recipe: Path | None, preset: str | None):
 
 
 @ladder_app.command()
-def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt = False) -> None:
-    """The rungs of a recipe and its target: shape, parameters, tokens, steps, FLOPs."""
+def plan(
+    recipe: RecipeArg = None,
+    preset: PresetOpt = None,
+    fix: Annotated[bool, typer.Option(
+        "--fix", help="Write the recipe with its warnings resolved to --out (each change printed with its reason), "
+                      "then plan the fixed recipe.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="With --fix: the fixed recipe YAML to write.")] = None,
+    runs: Annotated[Optional[Path], typer.Option(
+        help="With --fix: a `ladder run --out` folder of this recipe; its fitted noise sizes the seeds per rung "
+             "for a +-3% band.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The rungs of a recipe and its target: shape, parameters, tokens, steps, FLOPs; --fix resolves its warnings."""
     from moelab.ladder.rungs import check_monotone, lr_rule_text, plan_rows, rungs_of
 
+    if (out is not None or runs is not None) and not fix:
+        raise ConfigError("--out and --runs go with --fix: `moelab ladder plan RECIPE --fix --out FIXED.yaml`.")
+    if fix and (recipe is None or out is None):
+        raise ConfigError("--fix rewrites a recipe file: give RECIPE.yaml and --out FIXED.yaml "
+                          "(e.g. `moelab ladder plan experiments/ladder-cpu.yaml --fix --out runs/fixed.yaml`).")
     r = _recipe(recipe, preset)
+    if fix:
+        r = _fix(recipe, r, out, runs, quiet=json_out)
     configs = rungs_of(r)
     check_monotone(configs)
     rows = plan_rows(configs + [r.target])
@@ -64,14 +82,52 @@ def plan(recipe: RecipeArg = None, preset: PresetOpt = None, json_out: JsonOpt =
     _warn_recipe(configs, r.target, read_data=preset is None)
 
 
-def _warn_recipe(rungs, target, read_data: bool = True) -> None:
-    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`) or grouping its
-    attention heads unlike the target (`rungs.regrouped_heads`) and, with `read_data`, each run that
-    would read a domain of its data more than once (`rungs.repeated_data`)."""
-    from moelab.ladder.rungs import regrouped_heads, repeated_data, short_rungs
+def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
+    """`plan --fix`: fix the recipe (`ladder.fix`), print the changes, write the YAML; returns the fixed recipe."""
+    import yaml
+
+    from moelab.config import read_yaml
+    from moelab.ladder.fix import fix_recipe, recipe_data
+    from moelab.ladder.predict import sidecar_path
     from moelab.train.loop import prepare_corpus
 
-    warnings = short_rungs(rungs) + regrouped_heads(rungs, target)
+    noise = None
+    if runs is not None:
+        sidecar = sidecar_path(runs / "prediction.csv")
+        if not sidecar.is_file():
+            raise ConfigError(f"--runs {runs}: {sidecar} does not exist; give the --out folder of a finished "
+                              "`moelab ladder run` of this recipe.")
+        noise = json.loads(sidecar.read_text())
+    sizes = {d: len(tokens) for d, tokens in prepare_corpus(recipe.target).train.items()}
+    fixed, changes = fix_recipe(recipe, sizes, noise)
+    lines = [f"# {path} with its `moelab ladder plan` warnings resolved by `--fix`:"]
+    lines += [f"# - {c.field}: {c.before} -> {c.after}: {c.why}." for c in changes] or ["# - nothing to change."]
+    data = recipe_data(read_yaml(path, "recipe", ""), fixed)
+    rest = {k: v for k, v in data.items() if k not in ("target", "rungs")}
+    text = "\n".join([*lines, yaml.safe_dump({"target": data["target"]}, sort_keys=False, width=110).rstrip(),
+                      f"rungs: {json.dumps(data['rungs'])}", yaml.safe_dump(rest, sort_keys=False)])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    if not quiet:
+        for c in changes:
+            out_console.print(f"[bold]{escape(c.field)}[/]: {escape(str(c.before))} -> {escape(str(c.after))}\n"
+                              f"  {escape(c.why)}.")
+        out_console.print(f"Wrote {out} ({len(changes)} change(s)); its plan:" if changes else
+                          f"Nothing to fix; wrote {out} unchanged. Its plan:")
+    return fixed
+
+
+def _warn_recipe(rungs, target, read_data: bool = True) -> None:
+    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`), grouping its attention
+    heads unlike the target (`rungs.regrouped_heads`) or of another depth (`rungs.mixed_depth`), for fewer than
+    three sizes (`rungs.too_few_sizes`) and, with `read_data`, for each run that would read a domain of its data
+    more than once (`rungs.repeated_data`)."""
+    from moelab.ladder.rungs import mixed_depth, regrouped_heads, repeated_data, short_rungs, too_few_sizes
+    from moelab.train.loop import prepare_corpus
+
+    warnings = short_rungs(rungs) + regrouped_heads(rungs, target) + mixed_depth(rungs, target) + too_few_sizes(rungs)
     if read_data:
         sizes = {d: len(tokens) for d, tokens in prepare_corpus(target).train.items()}
         warnings += repeated_data(rungs + [target], sizes)
@@ -112,13 +168,15 @@ def fit(
     same_data_order: Annotated[bool, typer.Option(
         help="Curves of one size whose runs and the target share one seed and data order (a schedule sweep): "
              "the target also borrows the noise the curves share at each of its steps.")] = False,
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        help="A run of CURVES.csv to leave out of the fit (repeatable), recorded in the sidecar's `excluded`.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""
     from moelab.ladder.predict import fit_curves
 
     summary = fit_curves(curves, target, out, num_bootstrap=bootstrap, same_data_order=same_data_order,
-                         progress=_bootstrap_bar)
+                         exclude={name: "--exclude" for name in exclude or []}, progress=_bootstrap_bar)
     if json_out:
         print(json.dumps(summary))
         return
@@ -160,13 +218,16 @@ def _print_fit(summary: dict) -> None:
     if "skipped" in check:
         out_console.print(f"Self-check skipped: {check['skipped']}")
     else:
-        verdict = "[green]inside the band[/]" if check["trusted"] else "[bold red]OUTSIDE the band[/]"
+        verdict = {"passed": "[green]passed[/]", "failed": "[bold red]FAILED[/]",
+                   "uninformative": f"[bold yellow]uninformative[/] (its band is +-{check['band95_half_width']:.1%})"
+                   }[check["verdict"]]
         out_console.print(f"Self-check (fit without {escape(', '.join(check['held_out']))}, predict it): final error "
                           f"{check['final_error']:+.2%}, MAPE {check['mape_after_10pct']:.2%}, band coverage "
                           f"{check['band95_coverage']:.0%}: {verdict}")
     for note in summary["notes"]:
-        print_problem("FAILED" if note.startswith("SELF-CHECK FAILED") else "Note", note,
-                      "bold red" if note.startswith("SELF-CHECK FAILED") else "yellow")
+        loud = note.startswith("SELF-CHECK")
+        print_problem("FAILED" if note.startswith("SELF-CHECK FAILED") else "Not trusted" if loud else "Note", note,
+                      "bold red" if loud else "yellow")
 
 
 def _final_points(ladder_dir: Path) -> list[tuple[str, float, float]]:

@@ -303,7 +303,11 @@ def _self_check_text(pred_path: Path) -> str | None:
         return None
     if "skipped" in check:
         return f"Self-check skipped: {check['skipped']}"
-    verdict = "inside the target's band" if check.get("trusted") else "FAILED: the prediction is not to be trusted"
+    verdict = {"passed": "inside the target's band",
+               "uninformative": f"uninformative: its band (+-{check.get('band95_half_width', float('nan')):.1%}) is too "
+                                "wide to tell a good recipe from a bad one, so the prediction is not trusted"
+               }.get(check.get("verdict") or ("passed" if check.get("trusted") else ""),
+                     "FAILED: the prediction is not to be trusted")
     return (f"Self-check before training: refitted without {', '.join(check['held_out'])}, the law predicted its "
             f"final loss {check['final_error']:+.2%} off (MAPE {check['mape_after_10pct']:.2%}), {verdict}.")
 

@@ -39,7 +39,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from scipy import signal, special
@@ -97,6 +97,9 @@ BAND_COLUMNS = ("loss_pred", "lo80", "hi80", "lo95", "hi95")
 _QUANTILES = {"lo95": 0.025, "lo80": 0.10, "hi80": 0.90, "hi95": 0.975}
 OFF_TRACK_AFTER = 2  # consecutive evals outside the 95% band before a run is off track
 _MIN_BOOTSTRAP = 20  # fewer refits cannot place a 2.5% quantile between two of them
+# A self-check whose own band is wider than this passes a recipe that misses by as much, so it cannot tell a
+# good recipe from a bad one: its verdict is "uninformative" and the prediction is not marked trusted.
+SELF_CHECK_MAX_BAND = 0.10
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,8 +340,16 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
     if "skipped" not in check:
         band = max(t["band95_half_width"] for t in final)
         inside = check["final_lo95"] <= check["final_actual"] <= check["final_hi95"]
-        check["trusted"] = bool(inside and abs(check["final_error"]) <= band)
-        if not check["trusted"]:
+        passed = bool(inside and abs(check["final_error"]) <= band)
+        informative = check["band95_half_width"] <= SELF_CHECK_MAX_BAND
+        check["verdict"] = "failed" if not passed else "passed" if informative else "uninformative"
+        check["trusted"] = check["verdict"] == "passed"
+        if check["verdict"] == "uninformative":
+            notes.insert(0, f"SELF-CHECK UNINFORMATIVE: refitted without the largest rung, the law misses it by "
+                            f"{check['final_error']:+.2%}, inside a band of +-{check['band95_half_width']:.1%}; a "
+                            f"check that wide (over +-{SELF_CHECK_MAX_BAND:.0%}) would pass a recipe that far off, "
+                            "so it cannot tell a good recipe from a bad one. Not trusted: see the advice below.")
+        if check["verdict"] == "failed":
             notes.insert(0, f"SELF-CHECK FAILED: refitted without the largest rung, the law misses it by "
                             f"{check['final_error']:+.2%} at its last eval ("
                             + (f"more than the target's 95% band, +-{band:.2%}" if inside else
@@ -351,7 +362,7 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
             notes.append(f"the 95% band of run {t['run']!r} at its last step is +-{t['band95_half_width']:.1%}: too "
                          "wide to tell a run 3% off its recipe from a healthy one. More rungs (or seeds at one size) "
                          "narrow it.")
-    return {
+    summary = {
         "law": ("L(t) = E + B*S1(t)^-beta - C*S2(t) (one size)" if law.size is not None
                 else "L(N, t) = E + A*N^-alpha + B*S1(t)^-beta - C*S2(t)"),
         "params": {k: getattr(law, v) for k, v in names.items()},
@@ -372,6 +383,37 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
         "notes": notes,
         "out": str(out),
     }
+    advice = _advice(summary, largest)
+    if advice is not None:
+        summary["advice"] = advice
+        notes.append(advice["text"])
+    return summary
+
+
+def _advice(summary: dict, largest: float) -> dict | None:
+    """What to add to reach a +-3% target band, from the fitted noise (`fix.seeds_for_band`); None when the
+    band is already within it and the self-check passed."""
+    from moelab.ladder.fix import BAND_GOAL, seeds_for_band
+
+    target, check = summary["targets"][0], summary["self_check"]
+    if target["band95_half_width"] <= BAND_GOAL and check.get("verdict") == "passed":
+        return None
+    sizes = len(summary["fit"]["sizes"])
+    seeds = seeds_for_band(summary, sizes)
+    advice = {"seeds_per_rung": seeds["seeds"], "expected_half_width": seeds["half_width"],
+              "reachable": seeds["reachable"], "seeds_now": summary["fit"]["runs"] / sizes}
+    text = f"To reach a +-{BAND_GOAL:.0%} band: {seeds['why']}"
+    if seeds["reachable"]:
+        text += f" (about +-{seeds['half_width']:.1%}; now {advice['seeds_now']:.3g} a rung)"
+    if sizes < 3:
+        advice["rung"] = "another size"
+        text += "; add a third rung size, so the self-check can run"
+    elif target["params"] > 3 * largest:
+        advice["rung"] = target["params"] / 3
+        text += (f"; add a rung of about {target['params'] / 3:.3g} active parameters (a third of the target's; the "
+                 f"largest now has {largest:.3g}), so the self-check predicts a size nearer the target")
+    advice["text"] = text + ". `moelab ladder plan RECIPE --fix --runs LADDER_OUT` writes the seeds into the recipe."
+    return advice
 
 
 def _format(value: float) -> str:
@@ -380,7 +422,7 @@ def _format(value: float) -> str:
 
 def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str | Path, *,
                num_bootstrap: int = NUM_BOOTSTRAP, seed: int = 0, same_data_order: bool = False,
-               progress: Callable[[Iterable], Iterable] = iter) -> dict:
+               exclude: Mapping[str, str] | None = None, progress: Callable[[Iterable], Iterable] = iter) -> dict:
     """Fit the curve law on CURVES.csv, write PRED.csv for TARGET.csv and its sidecar PRED.json.
 
     PRED.json holds the returned summary: the law, its noise, the leave-largest-out `self_check`
@@ -390,12 +432,16 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     is read and checked before anything is written, and both files appear atomically (written beside
     them, then renamed), so a bad input never leaves a half-written file. `progress` wraps the
     bootstrap loops (a progress bar in the CLI).
+
+    `exclude` maps run names to why they are left out of the fit (a rung the plan's checks flag:
+    `rungs.rung_flags`); the summary's `excluded` lists them with the reason. Runs are left out only while
+    two sizes remain; otherwise every run is fitted and a note says what the flags would have removed.
     """
     if not (isinstance(num_bootstrap, int) and num_bootstrap >= _MIN_BOOTSTRAP):
         raise ConfigError(f"num_bootstrap={num_bootstrap!r} is invalid: must be an integer >= {_MIN_BOOTSTRAP} "
                           f"({NUM_BOOTSTRAP} is the default; the 95% band needs refits beyond its 2.5% tails).")
     curves_path, target_path, out_path = Path(curves_path), Path(target_path), Path(out_path)
-    curves = read_curves(curves_path)
+    curves, excluded = _exclude(read_curves(curves_path), dict(exclude or {}), curves_path)
     header, table = _load(target_path, TARGET_COLUMNS, "target")
     targets, where = _to_runs(target_path, table, with_loss=False)
     clash = [c for c in BAND_COLUMNS if c in header]
@@ -413,6 +459,13 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
         raise DataError(f"{curves_path}: {err}") from err
     predictions = {run.name: predict_with_bands(law, bootstrap, run, shared) for run in targets}
     summary = _summary_of(law, bootstrap, curves, targets, predictions, check, num_bootstrap, seed, out_path)
+    summary["excluded"] = excluded
+    for item in excluded:
+        summary["notes"].insert(0, f"left out of the fit: {item['run']} ({item['reason']}).")
+    if exclude and not excluded:
+        summary["notes"].insert(0, f"the plan's checks flag {', '.join(sorted(exclude))}, but leaving them out would "
+                                   "leave fewer than 2 sizes, so every run is fitted: the prediction carries the bias "
+                                   "those flags name (`moelab ladder plan RECIPE --fix`).")
     if shared is not None:
         summary["shared_noise"] = {
             "shared_sd": math.sqrt(shared.shared_var), "own_sd": math.sqrt(shared.own_var),
@@ -432,6 +485,18 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     _write_atomically(sidecar_path(out_path), lambda f: f.write(json.dumps(summary, indent=2) + "\n"))
     _write_atomically(out_path, write_csv)
     return summary
+
+
+def _exclude(curves: list[Run], exclude: dict[str, str], where: Path) -> tuple[list[Run], list[dict]]:
+    """`curves` without the runs named in `exclude` while 2 sizes remain, and [{run, reason}] of those left out."""
+    unknown = sorted(set(exclude) - {r.name for r in curves})
+    if unknown:
+        raise DataError(f"{where}: no run named {', '.join(unknown)} to leave out; its runs are "
+                        f"{', '.join(sorted({r.name for r in curves}))}.")
+    kept = [r for r in curves if r.name not in exclude]
+    if len({r.params for r in kept}) < 2:
+        return curves, []
+    return kept, [{"run": name, "reason": exclude[name]} for name in sorted(exclude)]
 
 
 def _write_atomically(path: Path, write: Callable) -> None:

@@ -29,7 +29,7 @@ from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
 from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.predict import fit_curves
-from moelab.ladder.rungs import LadderRecipe, check_monotone, rungs_of
+from moelab.ladder.rungs import LadderRecipe, check_monotone, rung_flags, rungs_of
 from moelab.presets import EVALS_PER_RUN
 from moelab.train.outputs import METRICS, SUMMARY, read_jsonl
 
@@ -89,13 +89,22 @@ def rung_dir(out: Path, cfg: RunConfig) -> Path:
 
 def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out: Path,
                     num_bootstrap: int = NUM_BOOTSTRAP, progress: Callable[[Iterable], Iterable] = iter) -> dict:
-    """From finished rungs (config, run dir): write curves.csv, target.csv, prediction.csv and its sidecar."""
+    """From finished rungs (config, run dir): write curves.csv, target.csv, prediction.csv and its sidecar.
+
+    curves.csv holds every rung; the fit leaves out the rungs the plan's checks flag (`rungs.rung_flags`:
+    too short, regrouped heads, another depth, repeated data), each with its reason in the summary's
+    `excluded`, while two sizes remain (`predict.fit_curves`).
+    """
+    from moelab.train.loop import prepare_corpus
+
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "curves.csv", [row for cfg, run_dir in rungs for row in curve_rows(cfg, run_dir)])
     write_csv(out / "target.csv", target_rows(target))
     (out / "target.yaml").write_text(dump_yaml(target))  # the run the prediction is for, ready to train
+    sizes = {d: len(tokens) for d, tokens in prepare_corpus(target).train.items()}
+    flags = rung_flags([cfg for cfg, _ in rungs], target, sizes)
     return fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap,
-                      progress=progress)
+                      exclude=flags, progress=progress)
 
 
 def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],

@@ -40,7 +40,7 @@ from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
 __all__ = ["LadderRecipe", "rung_lr", "lr_rule_text", "LrRule", "fit_lr_rule", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
-           "check_monotone", "data_epochs", "repeated_data", "MIN_RUNG_STEPS", "short_rungs",
+           "check_monotone", "data_epochs", "repeated_data", "mixed_depth", "too_few_sizes", "rung_flags", "MIN_RUNG_STEPS", "short_rungs",
            "regrouped_heads"]
 
 
@@ -287,6 +287,26 @@ def regrouped_heads(rungs: list[RunConfig], target: RunConfig) -> list[str]:
     return warnings
 
 
+def mixed_depth(rungs: list[RunConfig], target: RunConfig) -> list[str]:
+    """A warning when some rung's depth is not the target's: the size trend then mixes depth into width."""
+    other = sorted({c.model.num_layers for c in rungs} - {target.model.num_layers})
+    if not other:
+        return []
+    names = sorted({c.name.split("-seed")[0] for c in rungs if c.model.num_layers != target.model.num_layers})
+    return [f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {'/'.join(map(str, other))} layers deep, the "
+            f"target {target.model.num_layers}: the law reads the size trend as one of width, so a depth change inside "
+            "it bends the extrapolation. Give every rung the target's depth."]
+
+
+def too_few_sizes(rungs: list[RunConfig]) -> list[str]:
+    """A warning when the rungs hold fewer than 3 sizes: the leave-largest-out self-check then cannot run."""
+    sizes = {(c.model.d_model, c.model.num_layers) for c in rungs}
+    if len(sizes) >= 3:
+        return []
+    return [f"the rungs hold {len(sizes)} sizes: the self-check (refit without the largest, predict it) needs 3, so "
+            "nothing will say whether the prediction can be trusted before the target trains. Add a rung."]
+
+
 def repeated_data(configs: list[RunConfig], train_sizes: Mapping[str, int]) -> list[str]:
     """A warning per config that reads some domain more than once (`data_epochs`), naming the domains."""
     warnings = []
@@ -297,6 +317,28 @@ def repeated_data(configs: list[RunConfig], train_sizes: Mapping[str, int]) -> l
                             "bends its loss away from the law, so the prediction for it is biased low. Lower those "
                             "domains' weights in data.phases, add data, or train fewer tokens.")
     return warnings
+
+
+def rung_flags(rungs: list[RunConfig], target: RunConfig, train_sizes: Mapping[str, int] | None = None
+               ) -> dict[str, str]:
+    """Per rung run the checks flag, why: what `ladder.run` leaves out of the fit (the warnings, per run)."""
+    group = target.model.num_heads // target.model.num_kv_heads
+    flags = {}
+    for cfg in rungs:
+        m, reasons = cfg.model, []
+        if cfg.train.steps < MIN_RUNG_STEPS:
+            reasons.append(f"trains {cfg.train.steps} steps, under {MIN_RUNG_STEPS}")
+        if m.num_heads // m.num_kv_heads != group:
+            reasons.append(f"groups {m.num_heads // m.num_kv_heads} query heads per KV head, the target {group}")
+        if m.num_layers != target.model.num_layers:
+            reasons.append(f"is {m.num_layers} layers deep, the target {target.model.num_layers}")
+        if train_sizes is not None:
+            over = {d: e for d, e in data_epochs(cfg, train_sizes).items() if e > 1.0}
+            if over:
+                reasons.append("reads " + ", ".join(f"{d} {e:.2f}x" for d, e in over.items()))
+        if reasons:
+            flags[cfg.name] = "; ".join(reasons)
+    return flags
 
 
 def check_monotone(configs: list[RunConfig]) -> None:
