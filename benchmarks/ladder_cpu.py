@@ -186,6 +186,8 @@ def main() -> None:
         **floors,
         "band95_coverage": statistics.fmean(s["band95_coverage"] for s in seeds.values()),
         "self_check": fit["self_check"],
+        "excluded": fit.get("excluded", []),
+        "advice": fit.get("advice"),
         "notes": fit["notes"],
         "seeds": seeds,
     }
