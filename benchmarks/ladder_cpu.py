@@ -75,7 +75,7 @@ def task_result(out: Path, rungs, targets) -> dict:
     names = {name for name, _, _ in targets}
     target_cfg = targets[0][1]
     compute = float(accounting.flops_per_token(target_cfg.model)) * accounting.train_tokens(target_cfg)
-    pred = predict_task([p for p in points if p.run not in names], compute)
+    pred = predict_task([p for p in points if p.run not in names], compute, problems=TASK_PROBLEMS)
     actual = statistics.fmean(p.accuracy for p in points if p.run in names and p.final)
     return {"task_predicted": pred.accuracy, "task_lo95": pred.lo95, "task_hi95": pred.hi95,
             "task_actual": actual, "task_abs_error": abs(pred.accuracy - actual),

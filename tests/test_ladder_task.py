@@ -47,6 +47,18 @@ def test_the_target_accuracy_lies_inside_its_band_and_within_four_points_on_nois
     assert covered >= 4
 
 
+def test_one_run_per_compute_still_gets_a_band_from_the_targets_own_noise():
+    """Resampling 3 runs at 3 computes only permutes them; the measurement's binomial noise keeps a band."""
+    three = [p for p in _points(0, seeds_per_rung=1) if not p.run.startswith("d3")]
+    bare = predict_task(three, TARGET, num_bootstrap=200)
+    measured = predict_task(three, TARGET, num_bootstrap=200, problems=512)
+    assert bare.hi95 - bare.lo95 < 1e-6 and any("no residual" in n for n in bare.notes)
+    p = measured.accuracy
+    assert measured.hi95 - measured.lo95 > 2 * 1.96 * np.sqrt(p * (1 - p) / 512) * 0.7
+    four = predict_task(_points(0, seeds_per_rung=1), TARGET, num_bootstrap=100)  # 4 finals: 1 dof of residual
+    assert not any("no residual" in n for n in four.notes)
+
+
 def test_flat_accuracy_is_named_and_too_few_computes_refused():
     flat = [p._replace(accuracy=0.0) for p in _points(0)]
     assert any("not placed by the rungs" in note for note in predict_task(flat, TARGET, num_bootstrap=50).notes)

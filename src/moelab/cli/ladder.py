@@ -276,6 +276,9 @@ def task(
                                                 "rung checkpoint, from `moelab eval RUN --arithmetic --every-checkpoint`).")],
     target_compute: Annotated[float, typer.Option(help="The target's training FLOPs (`moelab flops`).")],
     bootstrap: Annotated[int, typer.Option(help="Bootstrap refits over the rung runs for the 95% band.")] = 400,
+    problems: Annotated[Optional[int], typer.Option(
+        help="Problems the target's accuracy will be measured on: adds that measurement's binomial noise to the "
+             "band.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Predict the target's final task accuracy: compute -> task loss -> accuracy, fitted on the rungs."""
@@ -283,7 +286,9 @@ def task(
 
     if bootstrap < 20:
         raise ConfigError(f"--bootstrap {bootstrap} is too few refits for a 95% band; use 20 or more (default 400).")
-    pred = predict_task(read_task_points(points), target_compute, num_bootstrap=bootstrap)
+    if problems is not None and problems < 1:
+        raise ConfigError(f"--problems {problems} is invalid: the number of problems scored, an integer >= 1.")
+    pred = predict_task(read_task_points(points), target_compute, num_bootstrap=bootstrap, problems=problems)
     result = {"task_predicted": pred.accuracy, "lo95": pred.lo95, "hi95": pred.hi95,
               "task_loss_predicted": pred.task_loss, "task_loss_lo95": pred.task_loss_lo95,
               "task_loss_hi95": pred.task_loss_hi95, "law": pred.law._asdict(), "runs": pred.runs,

@@ -13,7 +13,11 @@ jumps and saturates while the loss of the right answer moves smoothly:
 
 The target's accuracy is `acc(L(C_target))`. Its band comes from a bootstrap over whole rung runs: resample
 the runs with replacement, refit both steps, predict; the 2.5% and 97.5% quantiles are the 95% band. A rung's
-checkpoints move together (one init, one data order), so runs, not points, are the units resampled.
+checkpoints move together (one init, one data order), so runs, not points, are the units resampled. Each
+draw also carries what the target run adds itself: its own offset off the task-loss law (the final
+checkpoints' residual sd, on a Student t with the dof the three-parameter fit leaves) and, given `problems`,
+the binomial noise of an accuracy measured on that many problems. With one run per compute the resamples
+only permute the same rungs, so without those terms the band would collapse onto the point prediction.
 
 The task figures come from `moelab eval RUN --arithmetic --every-checkpoint --json` on each rung; compute is
 the rung's training FLOPs at that checkpoint (`moelab.accounting`).
@@ -137,12 +141,22 @@ def fit_task_law(points: Sequence[TaskPoint]) -> TaskLaw:
     return TaskLaw(E, A, alpha, c_min, math.exp(k), float(l_half))
 
 
+def _final_residual_noise(law: TaskLaw, points: Sequence[TaskPoint]) -> tuple[float, int]:
+    """(sd, dof) of the final checkpoints' log task loss about the law; dof 0 when the law fits them exactly."""
+    finals = _finals(points)
+    residuals = np.log([p.task_loss for p in finals]) - np.log(law.task_loss([p.compute for p in finals]))
+    dof = len(finals) - 3
+    return (float(np.sqrt(np.sum(residuals ** 2) / dof)), dof) if dof > 0 else (0.0, 0)
+
+
 def predict_task(points: Sequence[TaskPoint], target_compute: float, *, num_bootstrap: int = NUM_TASK_BOOTSTRAP,
-                 seed: int = 0) -> TaskPrediction:
-    """The target's final task loss and accuracy at `target_compute`, with 95% bands (run bootstrap)."""
+                 seed: int = 0, problems: int | None = None) -> TaskPrediction:
+    """The target's final task loss and accuracy at `target_compute`, with 95% bands (run bootstrap plus the
+    target's own noise; see the module docstring). `problems`: how many problems its accuracy is measured on."""
     if not target_compute > 0:
         raise DataError(f"the target's compute must be > 0 FLOPs (got {target_compute}).")
     law = fit_task_law(points)
+    own_sd, own_dof = _final_residual_noise(law, points)
     runs = sorted({p.run for p in points})
     by_run = {r: [p for p in points if p.run == r] for r in runs}
     rng = np.random.default_rng(seed)
@@ -155,14 +169,21 @@ def predict_task(points: Sequence[TaskPoint], target_compute: float, *, num_boot
             failed += 1
             continue
         loss = float(refit.task_loss(target_compute))
+        if own_dof:
+            loss *= math.exp(own_sd * rng.standard_t(own_dof))
+        accuracy = float(refit.accuracy(loss))
         losses.append(loss)
-        accuracies.append(float(refit.accuracy(loss)))
+        accuracies.append(rng.binomial(problems, accuracy) / problems if problems else accuracy)
     notes = []
     if failed:
         notes.append(f"{failed} of {num_bootstrap} resamples held fewer than three computes and were left out.")
     if len(losses) < 20:
         raise DataError(f"only {len(losses)} of {num_bootstrap} bootstrap resamples could be fitted: the rungs "
                         "are too few for a band; add rungs at more computes.")
+    if not own_dof:
+        notes.append(f"{len(_finals(points))} final checkpoints leave the task-loss law no residual to measure a run's "
+                     "own offset: the band holds the fit's spread" + (" and the measurement's binomial noise"
+                                                                      if problems else "") + " only; add seeds.")
     accs = [p.accuracy for p in points]
     if max(accs) - min(accs) < 0.05:
         notes.append(f"every checkpoint scores accuracy {min(accs):.2f}-{max(accs):.2f}: the sigmoid is not "
