@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import run_cli_redirected
+from mutations import fresh_copy
 
 from moelab.lab.bundle import CHAIN, MANIFEST, RECORDS, verify_bundle
 from moelab.lab.ledger import open_ledger, records
@@ -364,3 +365,92 @@ def test_a_rerun_on_other_tokens_than_the_record_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="step train trained domain code on token store content ab12, but its "
                                           r"config now reads none \(built in memory\)"):
         _check_stores(bundle, "train", presets.get("tiny"))
+
+
+# ----------------------------------------------------------------------------------------------
+# fuzzed: every mutation is a finding, never a traceback (issue 29)
+
+FUZZ_EXAMPLES = 200  # in `make test` (about 8 s); test_verify_survives_many_more_mutations runs 600 under `slow`
+
+
+def _bundle_files(bundle):
+    return sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file())
+
+
+def _fuzz_verify(bundle, tmp, mutation, resealed):
+    copy = fresh_copy(bundle, tmp / "fuzz")
+    changed = mutation.apply(copy)
+    if resealed and mutation.operation not in ("symlink", "directory", "delete"):
+        reseal(copy)
+    check = verify_bundle(copy)  # must return, whatever the damage
+    if changed and not resealed:
+        assert not check.ok, mutation  # every file is under the manifest's hash
+    chained = mutation.file in (RECORDS, CHAIN) or mutation.file.startswith("spec/")
+    if changed and resealed and chained:
+        assert not check.ok, mutation  # the records' hashes and the chain hold what a resealed manifest does not
+    for problem in check.problems:
+        assert "Traceback" not in problem
+
+
+def _fuzz(lab, tmp_path_factory, examples):
+    from hypothesis import HealthCheck, given, settings
+    from mutations import mutations
+
+    _, _, bundle, _ = lab
+    tmp = tmp_path_factory.mktemp("fuzz")
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(mutation=mutations(_bundle_files(bundle)), resealed=st_booleans())
+    def run(mutation, resealed):
+        _fuzz_verify(bundle, tmp, mutation, resealed)
+
+    run()
+
+
+def st_booleans():
+    from hypothesis import strategies as st
+
+    return st.booleans()
+
+
+def test_verify_reports_every_mutation_of_a_bundle_as_a_finding_never_a_traceback(lab, tmp_path_factory):
+    _fuzz(lab, tmp_path_factory, FUZZ_EXAMPLES)
+
+
+@pytest.mark.slow
+def test_verify_survives_many_more_mutations(lab, tmp_path_factory):
+    """The same property over 600 examples (about a minute on 2 cores); the fast test runs 200."""
+    _fuzz(lab, tmp_path_factory, 600)
+
+
+def test_the_issues_example_names_the_chain_file_and_its_line_and_exits_1(lab, tmp_path):
+    _, _, bundle, mp = lab
+    copy = fresh_copy(bundle, tmp_path / "copy")
+    lines = (copy / CHAIN).read_text().splitlines()
+    (copy / CHAIN).open("a").write('{"step": 1, "loss": 0.1}\n')
+    code, out, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
+    assert code == 1 and "Traceback" not in err
+    assert f"{CHAIN} line {len(lines) + 1} lacks 'seq'" in " ".join(err.split()), err
+
+
+@pytest.mark.parametrize("where", ["outside", "absolute", "dotdot"])
+def test_links_and_paths_out_of_a_bundle_are_refused_without_reading_them(lab, tmp_path, where):
+    _, _, bundle, mp = lab
+    copy = fresh_copy(bundle, tmp_path / "copy")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("outside the bundle")
+    if where == "outside":
+        (copy / "steps/train/summary.json").unlink()
+        (copy / "steps/train/summary.json").symlink_to(secret)
+        expected = "steps/train/summary.json is a symbolic link"
+    else:
+        info = json.loads((copy / "bundle.json").read_text())
+        info["steps"]["train"]["dir"] = str(tmp_path) if where == "absolute" else "../../elsewhere"
+        (copy / "bundle.json").write_text(json.dumps(info))
+        reseal(copy)
+        expected = "which is not a path inside the bundle"
+    check = verify_bundle(copy)
+    assert not check.ok and any(expected in p for p in check.problems), check.problems
+    code, _, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
+    assert code == 1 and "outside the bundle" not in err

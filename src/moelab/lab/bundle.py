@@ -93,6 +93,11 @@ def _spec_files(experiment: Experiment) -> dict[str, Record]:
     return files
 
 
+def _spec_text(record: Record) -> str:
+    """A spec file's text in a bundle: one writer, so `verify_bundle` can compare the bytes too."""
+    return yaml.safe_dump(record.body["spec"], sort_keys=False, allow_unicode=True)
+
+
 def _copy_step(src: Path, dst: Path) -> list[str]:
     """The step's top-level files into `dst`, plus the manifest of each token store it read; returns the
     stores whose manifest could not be read (the run's data.json still names them)."""
@@ -150,7 +155,7 @@ def _fill(folder: Path, ledger: Ledger, exp_id: str) -> dict:
         for r in upto_head if r.seq >= own[0].seq))
     (folder / "spec").mkdir()
     for name, record in _spec_files(experiment).items():
-        (folder / name).write_text(yaml.safe_dump(record.body["spec"], sort_keys=False, allow_unicode=True))
+        (folder / name).write_text(_spec_text(record))
     step_info, unreachable = {}, []
     for name, record in steps.items():
         unreachable += _copy_step(Path(record.body["output_dir"]), folder / "steps" / name)
@@ -243,8 +248,85 @@ class Bundle:
         return list(self.info["steps"])
 
 
+_RECORD_FIELDS = {"seq": int, "kind": str, "key": str, "created_at": str, "body": dict, "prev_hash": str, "hash": str}
+_LINK_FIELDS = {"seq": int, "kind": str, "key": str, "prev_hash": str, "hash": str}
+_INFO_FIELDS = {"format": str, "version": int, "experiment": str, "ledger": dict, "steps": dict}
+_STEP_FIELDS = {"dir": str, "version": str, "record": dict}
+
+
+def _typed(value: Any, kind: type) -> bool:
+    """isinstance, except that a bool is not an int (JSON true is not a record number)."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _shape_problem(row: Any, fields: dict[str, type]) -> str | None:
+    """What keeps `row` from being a JSON object with `fields` of those types, or None."""
+    if not isinstance(row, dict):
+        return f"is a JSON {type(row).__name__}, not an object"
+    missing = [k for k in fields if k not in row]
+    if missing:
+        return f"lacks {', '.join(repr(k) for k in missing)}"
+    wrong = [f"{k!r} is {type(row[k]).__name__}, not {fields[k].__name__}" for k in fields if not _typed(row[k], fields[k])]
+    return "; ".join(wrong) or None
+
+
+def _json_lines(folder: Path, name: str, fields: dict[str, type]) -> tuple[list[dict], list[str]]:
+    """The lines of `name` that are JSON objects with `fields` of their types, and a finding per other line
+    (naming the file and line), so a tampered line is reported instead of breaking the checks after it."""
+    try:
+        text = (folder / name).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return [], [f"{name} cannot be read ({type(e).__name__}: {e})"]
+    rows, problems = [], []
+    if text and not text.endswith("\n"):
+        problems.append(f"{name} does not end with a newline: it was cut short or edited")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            problems.append(f"{name} line {number} is blank: export writes none")
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            problems.append(f"{name} line {number} is not JSON")
+            continue
+        shape = _shape_problem(row, fields)
+        if shape:
+            problems.append(f"{name} line {number} {shape}: it is not a ledger {'record' if fields is _RECORD_FIELDS else 'link'}")
+            continue
+        rows.append(row)
+    return rows, problems
+
+
 def _read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The well-formed records of a bundle's records.jsonl or chain.jsonl (`_json_lines` reports the rest)."""
+    fields = _RECORD_FIELDS if path.name == Path(RECORDS).name else _LINK_FIELDS
+    return _json_lines(path.parent, path.name, fields)[0]
+
+
+def _info_problems(info: Any) -> list[str]:
+    """What keeps bundle.json from being one: its keys and types, and each step's entry."""
+    shape = _shape_problem(info, _INFO_FIELDS)
+    if shape:
+        return [f"{INFO} {shape}"]
+    problems = []
+    head = info["ledger"]
+    if not (_typed(head.get("num_records"), int) and _typed(head.get("head_hash"), str)):
+        problems.append(f"{INFO}: ledger must hold num_records (an integer) and head_hash (a string)")
+    for name, entry in info["steps"].items():
+        shape = _shape_problem(entry, _STEP_FIELDS)
+        if shape is None and _shape_problem(entry["record"], {"seq": int, "hash": str}):
+            shape = "has a record that is not {seq, hash}"
+        if shape is None and not _inside(entry["dir"]):
+            shape = f"names dir {entry['dir']!r}, which is not a path inside the bundle"
+        if shape:
+            problems.append(f"{INFO}: step {name!r} {shape}")
+    return problems
+
+
+def _inside(name: str) -> bool:
+    """A relative path with no `..` part: it cannot name anything outside the bundle's folder."""
+    path = Path(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts
 
 
 def load_bundle(folder: str | Path) -> Bundle:
@@ -253,10 +335,13 @@ def load_bundle(folder: str | Path) -> Bundle:
     folder = Path(folder)
     try:
         info = json.loads((folder / INFO).read_text())
-        rows = _read_records(folder / RECORDS)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{folder} is not a moelab bundle ({INFO} or {RECORDS} is missing or not JSON: {e}); "
+        raise ConfigError(f"{folder} is not a moelab bundle ({INFO} is missing or not JSON: {e}); "
                           "pass the folder or .tar.gz that `moelab lab export ID --out BUNDLE` wrote.") from None
+    problems = _info_problems(info)
+    if problems:
+        raise ConfigError(f"{folder} is not a readable moelab bundle: {problems[0]}.")
+    rows = _read_records(folder / RECORDS)
     if info.get("format") != FORMAT or info.get("version") != FORMAT_VERSION:
         raise ConfigError(f"{folder / INFO} says format {info.get('format')!r} version {info.get('version')!r}; "
                           f"this moelab reads {FORMAT!r} version {FORMAT_VERSION}.")
@@ -292,12 +377,21 @@ def _check_manifest(folder: Path) -> tuple[list[str], str | None, int]:
     if not path.is_file():
         return [f"{MANIFEST} is missing: nothing in the bundle can be checked against it"], None, 0
     problems, listed = [], set()
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        return [f"{MANIFEST} cannot be read ({type(e).__name__}): nothing in the bundle can be checked against it"], None, 0
+    for number, line in enumerate(text.splitlines(), 1):
         match = re.fullmatch(r"([0-9a-f]{64})  (.+)", line)
         if not match or ".." in Path(match.group(2)).parts or Path(match.group(2)).is_absolute():
             problems.append(f"{MANIFEST}:{number} is not a '<sha256>  <path>' line inside the bundle")
             continue
         digest, name = match.groups()
+        if name in listed:
+            problems.append(f"{MANIFEST}:{number} lists {name} a second time")
+        elif listed and name < max(listed):
+            problems.append(f"{MANIFEST}:{number} ({name}) is out of the sorted order export writes: the manifest "
+                            "was edited")
         listed.add(name)
         file = folder / name
         if not file.is_file():
@@ -313,32 +407,32 @@ def _check_manifest(folder: Path) -> tuple[list[str], str | None, int]:
 
 def _check_chain(folder: Path, info: dict) -> list[str]:
     """The experiment's records recompute; they sit on the chain's links, which are unbroken up to the head."""
-    problems = []
-    try:
-        own, links = _read_records(folder / RECORDS), _read_records(folder / CHAIN)
-    except (OSError, ValueError) as e:
-        return [f"{RECORDS} or {CHAIN} cannot be read as JSON lines ({e})"]
+    own, problems = _json_lines(folder, RECORDS, _RECORD_FIELDS)
+    links, bad_links = _json_lines(folder, CHAIN, _LINK_FIELDS)
+    problems += bad_links
+    seen: dict[int, int] = {}
+    for link in links:
+        seen[link["seq"]] = seen.get(link["seq"], 0) + 1
+    problems += [f"{CHAIN}: record {seq} appears {n} times" for seq, n in seen.items() if n > 1]
     by_seq = {}
     for i, link in enumerate(links):
-        if i and (link.get("seq") != links[i - 1]["seq"] + 1 or link.get("prev_hash") != links[i - 1].get("hash")):
+        if i and (link["seq"] != links[i - 1]["seq"] + 1 or link["prev_hash"] != links[i - 1]["hash"]):
             problems.append(f"{CHAIN}: record {link.get('seq')} does not link to record {links[i - 1].get('seq')} "
                             "(its prev_hash is not that record's hash, or a record is missing between them)")
         by_seq[link.get("seq")] = link
     head = info.get("ledger", {})
-    if not links or links[-1].get("hash") != head.get("head_hash") or links[-1].get("seq") != head.get("num_records"):
+    if not links or links[-1]["hash"] != head.get("head_hash") or links[-1]["seq"] != head.get("num_records"):
         problems.append(f"{CHAIN} does not end at the ledger head {INFO} states (record {head.get('num_records')}, "
                         f"sha256 {str(head.get('head_hash'))[:16]}...)")
+    problems += [f"{RECORDS} line order: record {b['seq']} follows record {a['seq']}; the records were reordered or "
+                 "repeated" for a, b in zip(own, own[1:]) if b["seq"] <= a["seq"]]
     kept = {row.get("seq") for row in own}
     problems += [f"{CHAIN}: record {link.get('seq')} ({link.get('kind')} {link.get('key')!r}) is one of the "
                  f"experiment's, but {RECORDS} does not hold it" for link in links
                  if link.get("key") == info.get("experiment") and link.get("seq") not in kept]
     for row in own:
         seq, what = row.get("seq"), f"{RECORDS}: record {row.get('seq')} ({row.get('kind')} {row.get('key')!r})"
-        try:
-            digest = record_hash(row["prev_hash"], seq, row["kind"], row["key"], row["created_at"], row["body"])
-        except (KeyError, TypeError):
-            problems.append(f"{what} lacks a field of a ledger record")
-            continue
+        digest = record_hash(row["prev_hash"], seq, row["kind"], row["key"], row["created_at"], row["body"])
         if digest != row["hash"]:
             problems.append(f"{what} does not match its hash: a field was changed after it was written")
         elif row["key"] != info.get("experiment"):
@@ -357,6 +451,9 @@ def _check_specs(bundle: Bundle) -> list[str]:
             data = None
         if data is None or spec_hash(data) != record.body.get("spec_hash"):
             problems.append(f"{name} is not the spec of ledger record {record.seq} (its content hash differs)")
+        elif (bundle.folder / name).read_text() != _spec_text(record):
+            problems.append(f"{name} is not the text export writes for ledger record {record.seq} (same content, "
+                            "edited text: a repeated key or a comment was added)")
     return problems
 
 
@@ -478,14 +575,39 @@ def _check_report_head(bundle: Bundle, rows: list[list[str]]) -> list[str]:
 def verify_bundle(folder: str | Path) -> BundleCheck:
     """Check a bundle alone: every file's hash, the chain, the specs, the steps, the report's numbers."""
     folder = Path(folder)
+    links = _links_in(folder)
+    if links:  # refused before anything is read: a link could point anywhere on the verifying machine
+        return BundleCheck(links, None, 0, None, 0)
     problems, digest, num_files = _check_manifest(folder)
     try:
         bundle = load_bundle(folder)
     except ConfigError as e:
         return BundleCheck(problems + [str(e)], digest, num_files, None, 0)
-    problems += _check_chain(folder, bundle.info)
-    problems += _check_specs(bundle)
-    problems += _check_steps(bundle)
-    problems += _check_report(bundle)
+    for check, arg in ((_check_chain, None), (_check_specs, bundle), (_check_steps, bundle), (_check_report, bundle)):
+        problems += _guarded(check, *((folder, bundle.info) if arg is None else (arg,)))
     num_records = len(_read_records(folder / RECORDS))
-    return BundleCheck(problems, digest, num_files, bundle.info.get("ledger", {}).get("head_hash"), num_records)
+    return BundleCheck(problems, digest, num_files, bundle.info["ledger"].get("head_hash"), num_records)
+
+
+def _links_in(folder: Path) -> list[str]:
+    """A finding per symbolic link (or other non-plain entry) in the bundle: a bundle holds folders and files."""
+    found = []
+    for path in sorted(folder.rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_symlink():
+            found.append(f"{name} is a symbolic link (to {os.readlink(path)}): a bundle holds plain files only, so "
+                         "it is refused without reading anything through it")
+        elif not (path.is_file() or path.is_dir()):
+            found.append(f"{name} is not a plain file or folder: refused")
+    return found
+
+
+def _guarded(check, *args) -> list[str]:
+    """`check(*args)`'s findings; a file whose content breaks it (bad types deep in a JSON or YAML file) is a
+    finding naming the check, not a traceback: whatever made it fail is not what was exported."""
+    try:
+        return check(*args)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, yaml.YAMLError,
+            ConfigError, DataError) as e:
+        return [f"{check.__name__.removeprefix('_check_')}: the bundle's files cannot be checked as exported "
+                f"({type(e).__name__}: {e})"]
