@@ -454,3 +454,84 @@ def test_links_and_paths_out_of_a_bundle_are_refused_without_reading_them(lab, t
     assert not check.ok and any(expected in p for p in check.problems), check.problems
     code, _, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
     assert code == 1 and "outside the bundle" not in err
+
+
+def _mutate_ledger(path, table_op, row_pick, column, value, byte_at):
+    """One damage to a ledger copy: an SQL edit of one row (or its deletion / duplication), or a flipped byte."""
+    import sqlite3
+
+    if table_op == "flip":
+        data = bytearray(path.read_bytes())
+        data[int(byte_at * len(data))] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return
+    if table_op == "truncate":
+        path.write_bytes(path.read_bytes()[:int(byte_at * path.stat().st_size)])
+        return
+    conn = sqlite3.connect(path)
+    seqs = [r[0] for r in conn.execute("SELECT seq FROM records ORDER BY seq")]
+    seq = seqs[int(row_pick * len(seqs))]
+    if table_op == "update":
+        conn.execute(f"UPDATE records SET {column} = ? WHERE seq = ?", (value, seq))
+    elif table_op == "delete":
+        conn.execute("DELETE FROM records WHERE seq = ?", (seq,))
+    conn.commit()
+    conn.close()
+
+
+def test_ledger_readers_answer_every_damage_with_a_finding(lab, tmp_path_factory):
+    """A ledger edited outside moelab (any column of any row, to any type; a row deleted; bytes flipped or cut)
+    is a broken chain or a refusal naming the file, never a traceback; an SQL edit that changes a row breaks it."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from moelab.errors import ConfigError, DataError
+    from moelab.lab.ledger import verify
+
+    import sqlite3
+
+    _, ledger, _, _ = lab
+    tmp = tmp_path_factory.mktemp("ledger-fuzz")
+    pristine = tmp_path_factory.mktemp("ledger-pristine") / "ledger.sqlite"
+    source, target = sqlite3.connect(ledger), sqlite3.connect(pristine)
+    source.backup(target)  # one consistent file, whatever sits in the fixture's write-ahead log
+    source.close()
+    target.close()
+
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(op=st.sampled_from(["update", "delete", "flip", "truncate"]), row=st.floats(0, 1, exclude_max=True),
+           column=st.sampled_from(["seq", "kind", "key", "created_at", "body", "prev_hash", "hash"]),
+           value=st.one_of(st.none(), st.integers(-3, 10**6), st.floats(allow_nan=False), st.text(max_size=20),
+                           st.binary(max_size=8), st.just('{"loss": 0.1}')),
+           byte_at=st.floats(0, 1, exclude_max=True))
+    def run(op, row, column, value, byte_at):
+        copy = tmp / "ledger.sqlite"
+        for leftover in tmp.glob("ledger.sqlite*"):  # a previous example's -wal / -shm would replay into this one
+            leftover.unlink()
+        shutil.copyfile(pristine, copy)
+        before = [tuple(r) for r in _sql_rows(copy)]
+        try:
+            _mutate_ledger(copy, op, row, column, value, byte_at)
+        except Exception:  # sqlite refused the edit itself (a UNIQUE seq, a NOT NULL): nothing to read
+            return
+        try:
+            check = verify(open_ledger(copy))
+            records(open_ledger(copy)) if check.ok else None
+        except (ConfigError, DataError) as e:
+            assert str(copy) in str(e) or "ledger record" in str(e), e  # names the file or the record
+            return
+        if op in ("update", "delete") and [tuple(r) for r in _sql_rows(copy)] != before:
+            last = op == "delete" and row >= (len(before) - 1) / len(before)
+            assert not check.ok or last, (op, column, value)  # cutting the last row leaves a shorter valid chain
+
+    run()
+
+
+def _sql_rows(path):
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT * FROM records ORDER BY seq").fetchall()
+    finally:
+        conn.close()

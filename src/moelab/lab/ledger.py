@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from moelab.errors import ConfigError
+from moelab.errors import ConfigError, DataError
 
 __all__ = ["KINDS", "GENESIS_HASH", "MIN_HASH_PREFIX", "Ledger", "Record", "ChainCheck", "DuplicateRecord",
            "ChainBroken", "canonical_json", "record_hash", "open_ledger", "append", "records", "verify", "check_chain",
@@ -316,16 +316,29 @@ _SELECT = "SELECT seq, kind, key, created_at, body, prev_hash, hash FROM records
 
 
 def _rows(ledger: Ledger, where: str = "", params: tuple = ()) -> Iterator[tuple]:
+    """The ledger's rows; DataError naming the file when SQLite cannot read it (a damaged page, a cut file)."""
     conn = _connect(ledger.path)
     try:
         yield from conn.execute(f"{_SELECT} {where} ORDER BY seq", params)
+    except sqlite3.DatabaseError as e:
+        raise DataError(f"{ledger.path} cannot be read as an SQLite database ({e}): the file was damaged or cut "
+                        "short. Restore the ledger from a copy (a published bundle proves what it held).") from None
     finally:
         conn.close()
 
 
 def _record(row: tuple) -> Record:
     seq, kind, key, created_at, body, prev, digest = row
-    return Record(seq, kind, key, created_at, json.loads(body), prev, digest)
+    try:
+        parsed = json.loads(body)
+    except (TypeError, ValueError):
+        parsed = None
+    if not (isinstance(parsed, dict) and isinstance(seq, int) and all(isinstance(v, str) for v in
+                                                                      (kind, key, created_at, prev, digest))):
+        raise DataError(f"ledger record {seq!r} is not a moelab record (a field of the wrong type, or a body that is "
+                        "not a JSON object): it was edited outside moelab. `moelab lab verify` names where the "
+                        "chain breaks.")
+    return Record(seq, kind, key, created_at, parsed, prev, digest)
 
 
 def records(ledger: Ledger, kind: str | None = None, key: str | None = None) -> list[Record]:
@@ -370,8 +383,12 @@ def _walk(rows: Iterator[tuple], after: int = 0, prev: str = GENESIS_HASH) -> Ch
 
 
 def verify(ledger: Ledger) -> ChainCheck:
-    """Recompute the chain from the first record and stop at the first one that does not check out."""
-    return _walk(_rows(ledger))
+    """Recompute the chain from the first record and stop at the first one that does not check out (a file
+    SQLite cannot read breaks it at record 1)."""
+    try:
+        return _walk(_rows(ledger))
+    except DataError as e:
+        return ChainCheck(0, GENESIS_HASH, 1, str(e))
 
 
 def _check_since(conn: sqlite3.Connection, checked: tuple[int, str] | None) -> ChainCheck:
