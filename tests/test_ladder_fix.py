@@ -26,14 +26,15 @@ def _warnings(recipe) -> list[str]:
     return short_rungs(rungs) + regrouped_heads(rungs, recipe.target) + mixed_depth(rungs, recipe.target)
 
 
-def test_fix_gives_short_rungs_more_steps_by_a_smaller_batch_when_dropping_them_leaves_too_few():
+def test_fix_keeps_short_rungs_it_cannot_drop_and_says_why_instead_of_shrinking_the_batch():
+    """A smaller rung batch gives a rung more steps but more learning per token: measured 16% low, so not done."""
     recipe = load_recipe(EXPERIMENTS / "ladder-untuned-wide16.yaml")
     assert len(short_rungs(rungs_of(recipe))) == 2
     fixed, changes = fix_recipe(recipe, PLENTY)
-    assert [c.field for c in changes] == ["rung_batch_size", "rung_seeds"]
-    assert fixed.shapes == recipe.shapes and fixed.rung_batch_size == 6 and fixed.rung_seeds == MIN_SEEDS
-    assert _warnings(fixed) == [] and min(c.train.steps for c in rungs_of(fixed)) >= MIN_RUNG_STEPS
-    assert "dropping them would leave 1 size(s)" in changes[0].why
+    assert [c.field for c in changes] == ["rungs", "rung_seeds"]
+    assert fixed.shapes == recipe.shapes and fixed.rung_batch_size == recipe.rung_batch_size
+    assert fixed.rung_seeds == MIN_SEEDS
+    assert changes[0].why.startswith("not fixed:") and "dropping them would leave 1 size(s)" in changes[0].why
 
 
 def test_fix_evens_depth_moves_regrouped_widths_and_lowers_a_repeated_domain():
@@ -43,10 +44,11 @@ def test_fix_evens_depth_moves_regrouped_widths_and_lowers_a_repeated_domain():
     fixed, changes = fix_recipe(recipe, sizes)
     fields = [c.field for c in changes]
     assert fields[0] == "rungs" and "target's depth 4" in changes[0].why
-    assert "d40 -> d16" in changes[1].why and "target.data.phases" in fields
+    assert "d40 dropped" in changes[1].why and "target.data.phases" in fields
     assert all(layers == 4 for _, layers in fixed.shapes) and fixed.shapes == ((32, 4), (48, 4))
     assert max(data_epochs(fixed.target, sizes).values()) <= 1.0
-    assert _warnings(fixed) == [] and too_few_sizes(rungs_of(fixed))  # two sizes: said, not hidden
+    assert short_rungs(rungs_of(fixed)) and too_few_sizes(rungs_of(fixed))  # what it cannot fix: said, not hidden
+    assert regrouped_heads(rungs_of(fixed), fixed.target) == [] and mixed_depth(rungs_of(fixed), fixed.target) == []
 
 
 def test_fix_drops_short_rungs_while_three_sizes_remain_and_refuses_below_two():
@@ -54,8 +56,9 @@ def test_fix_drops_short_rungs_while_three_sizes_remain_and_refuses_below_two():
     wide = replace(recipe, shapes=((32, 2), (64, 2), (80, 2), (96, 2)), rung_batch_size=8)
     fixed, changes = fix_recipe(wide, PLENTY)
     assert fixed.shapes == ((64, 2), (80, 2), (96, 2)) and "dropped" in changes[0].why
+    fine = load_recipe(EXPERIMENTS / "ladder-untuned-fine32.yaml")  # head dim 8, 2:1: widths of 16
     with pytest.raises(ConfigError, match="cannot be fixed"):
-        fix_recipe(replace(recipe, shapes=((16, 2), (32, 2))), PLENTY)
+        fix_recipe(replace(fine, shapes=((24, 4), (40, 4))), PLENTY)  # d24 dropped (d16, d32 too far), d40 -> d48
 
 
 def test_rung_flags_name_every_check_a_rung_fails():
@@ -66,14 +69,14 @@ def test_rung_flags_name_every_check_a_rung_fails():
     assert "layers deep" in flags["ladder-d32-l2"] and "reads prose" in flags["ladder-d48-l4"]
 
 
-def test_plan_fix_writes_a_recipe_that_plans_without_the_warnings(tmp_path, monkeypatch, capsys):
+def test_plan_fix_writes_the_fixed_recipe_in_the_users_form_and_warns_what_it_could_not_fix(tmp_path, monkeypatch, capsys):
     out = tmp_path / "fixed.yaml"
     code, stdout, err = run_cli(["ladder", "plan", str(EXPERIMENTS / "ladder-untuned-wide16.yaml"), "--fix",
                                  "--out", str(out)], monkeypatch, capsys)
     assert code == 0, err
-    assert "rung_batch_size: 16 -> 6" in " ".join(stdout.split()) and "Warning" not in err
+    assert "rung_seeds: 1 -> 3" in " ".join(stdout.split()) and "trains 99 steps" in err  # the unfixed: warned
     fixed = load_recipe(out)
-    assert fixed.rung_batch_size == 6 and fixed.rung_seeds == 3 and _warnings(fixed) == []
+    assert fixed.rung_seeds == 3 and fixed.shapes == load_recipe(EXPERIMENTS / "ladder-untuned-wide16.yaml").shapes
     assert yaml.safe_load(out.read_text())["target"]["preset"] == "tiny"  # the user's form, kept
     code, _, err = run_cli(["ladder", "plan", str(out), "--out", str(out)], monkeypatch, capsys)
     assert code == 2 and "--out and --runs go with --fix" in err
