@@ -330,3 +330,61 @@ def test_the_benchmark_compares_the_libraries_on_the_same_windows(prepared, tmp_
     result = bench.bench_libraries(prepared[0], tmp_path, num_tokens=20_000)  # each reader checked against numpy
     assert set(result) >= {"moelab_tokenstream_pread_npy", "numpy_memmap_npy", "tensorstore_zarr", "arrow_ipc_mmap"}
     assert all(r["random_batches_per_s"] > 0 and r["scan_tokens_per_s"] > 0 for r in result.values() if isinstance(r, dict))
+
+
+def test_a_flipped_byte_with_its_mtime_put_back_is_caught_by_the_ctime_and_by_verify(prepared, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """Issue 31: the cache once keyed on size and mtime only, so a byte flipped and its mtime restored passed."""
+    import os
+
+    out = tmp_path / "store"
+    shutil.copytree(prepared[0], out)
+    store_lib.open_store(out)  # verified once: the cache now holds each shard's stat
+    shard = out / prepared[1]["domains"]["web"]["splits"]["train"]["shards"][0]["tokens"]
+    stat = shard.stat()
+    _flip(shard)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the mtime put back; the ctime moves regardless
+    with pytest.raises(DataError, match="is corrupted"):
+        store_lib.open_store(out)
+    code, _, err = run_cli(["data", "show", str(out), "--verify"], monkeypatch, capsys)
+    assert code == 2 and "is corrupted" in err and "nothing was trained" not in err
+    # --verify re-hashes even when the cache matches: make the cache claim the damaged file is the verified one
+    cache = json.loads((out / store_lib.VERIFIED).read_text()) if (out / store_lib.VERIFIED).exists() else {}
+    entry = prepared[1]["files"][str(shard.relative_to(out))]
+    now = shard.stat()
+    cache[str(shard.relative_to(out))] = [now.st_size, now.st_mtime_ns, now.st_ino, now.st_ctime_ns, entry["sha256"]]
+    (out / store_lib.VERIFIED).write_text(json.dumps(cache))
+    store_lib.open_store(out)  # the cache is trusted without --verify (one stat per file)...
+    with pytest.raises(DataError, match="is corrupted"):
+        store_lib.open_store(out, rehash=True)  # ...and re-hashing finds the damage
+    monkeypatch.setenv(store_lib.REHASH_ENV, "1")  # what `moelab train --verify-data` sets
+    with pytest.raises(DataError, match="is corrupted"):
+        store_lib.open_store(out)
+
+
+def test_every_mutation_of_a_store_is_refused_by_name_never_a_traceback(prepared, tmp_path_factory):
+    """Fuzzed (issue 29): the manifest and the shards truncated, junk-appended, keys dropped or retyped, bytes
+    flipped, lines swapped, files deleted or replaced by a directory or a symlink out of the store."""
+    from hypothesis import HealthCheck, given, settings
+
+    from mutations import fresh_copy, mutations
+
+    root, manifest = prepared
+    shards = [s["tokens"] for d in manifest["domains"].values() for sp in d["splits"].values() for s in sp["shards"]]
+    tmp = tmp_path_factory.mktemp("store-fuzz")
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(mutation=mutations(["manifest.json", *shards[:2]]))
+    def run(mutation):
+        copy = fresh_copy(root, tmp / "store")
+        (copy / store_lib.VERIFIED).unlink(missing_ok=True)
+        changed = mutation.apply(copy)
+        try:
+            store_lib.open_store(copy)
+        except DataError as e:
+            assert "manifest.json" in str(e) or mutation.file in str(e), e
+            return
+        assert not changed, mutation  # every byte of the store is under the manifest, and the manifest under its hash
+
+    run()

@@ -60,12 +60,18 @@ def prepare(
 @data_app.command()
 def show(
     store: Annotated[str, typer.Argument(help="A token store: a folder or an s3:// / gs:// URL.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every shard, whatever the verification cache "
+                                                          "says.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Verify a token store (every shard against its manifest hash) and list its sources and token counts."""
+    """Verify a token store and list its sources and token counts.
+
+    Always: the manifest's structure and store hash, every shard's size, and the SHA-256 of every shard whose
+    size, mtime, inode or ctime changed since it was last verified. With --verify: every shard's SHA-256.
+    """
     from moelab.data.store import open_store
 
-    opened = open_store(store)
+    opened = open_store(store, rehash=verify)
     _print_store(store, opened.manifest, json_out)
 
 

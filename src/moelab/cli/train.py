@@ -93,6 +93,9 @@ def train(
         "--wandb", help="Log to Weights & Biases under OUT/wandb: offline unless WANDB_MODE or WANDB_API_KEY says "
                         "online; a resumed run continues its W&B run.")] = False,
     name: Annotated[Optional[str], typer.Option(help="The W&B run's name (default: the config's name).")] = None,
+    verify_data: Annotated[bool, typer.Option(
+        "--verify-data", help="Re-hash every token-store shard the run opens (otherwise a shard is re-hashed when "
+                              "its size, mtime, inode or ctime changed since it was last verified).")] = False,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
 
@@ -103,6 +106,12 @@ def train(
     from moelab.parallel.mesh import initialize_distributed, is_writer
 
     initialize_distributed()  # before anything touches a device; a no-op for one process
+    if verify_data:
+        import os
+
+        from moelab.data.store import REHASH_ENV
+
+        os.environ[REHASH_ENV] = "1"  # the environment, so data workers and Ray tasks re-hash too
     cfg = resolve_config(config, preset, sets, data, **{"train.steps": steps, "train.seed": seed,
                                                   "checkpoint.every": checkpoint_every, **_mesh_fields(mesh, sets)})
     watchers = []
@@ -185,18 +194,22 @@ def training_progress(cfg: RunConfig):
 
     The bar appears with the first slow stage (a finished run that has nothing to do draws none),
     shows each stage before the first step ("compiling the train step 12 s"), and a resumed run
-    says so on a line of its own. `moelab train`, `ladder run` and the local `lab run` / `demo`
-    steps show it; process 0 only.
+    says so on a line of its own. The stage the first step ends, the train step's compile, leaves
+    its time on a line too ("compiling the train step: 12.3 s"): the tokens/s after it leave the
+    compile out. Off a terminal, where the bar is not redrawn, every stage does. `moelab train`,
+    `ladder run` and the local `lab run` / `demo` steps show it; process 0 only.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moelab.parallel import mesh as mesh_lib
     from moelab.train.loop import Hooks
 
+    writer = mesh_lib.is_writer()
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeRemainingColumn(), _StatusColumn(), console=err_console, transient=False,
-                        disable=not mesh_lib.is_writer())
-    task, staging = None, False  # staging: a stage's status shows until the first step ends it
+                        disable=not writer)
+    task, stage = None, None  # stage: (name, start) of the one under way, until the next or the first step
+    every_stage = not err_console.is_terminal
 
     def bar():
         nonlocal task
@@ -205,10 +218,18 @@ def training_progress(cfg: RunConfig):
             task = progress.add_task(escape(cfg.name), total=cfg.train.steps, status="", since=None)
         return task
 
+    def end_stage(by_first_step: bool) -> None:
+        nonlocal stage
+        if stage is not None and writer and (by_first_step or every_stage):
+            name, since = stage
+            progress.console.print(f"{escape(name)}: {time.monotonic() - since:.1f} s", highlight=False)
+        stage = None
+
     def on_stage(name: str) -> None:
-        nonlocal staging
-        staging = True
-        progress.update(bar(), status=name, since=time.monotonic())
+        nonlocal stage
+        end_stage(by_first_step=False)
+        stage = (name, time.monotonic())
+        progress.update(bar(), status=name, since=stage[1])
 
     def on_resume(step: int, path: Path) -> None:
         progress.console.print(f"Resuming from step {step} ({escape(str(path))}).", highlight=False, soft_wrap=True)
@@ -217,17 +238,16 @@ def training_progress(cfg: RunConfig):
     forecast = ""  # the live forecast of the final loss, from the last eval watched against a prediction
 
     def on_log(record: dict) -> None:
-        nonlocal staging, forecast
-        staging = False
+        nonlocal forecast
+        end_stage(by_first_step=True)
         if "forecast/final" in record:
             forecast = f"  forecast {record['forecast/final']:.3f} ({record['on_track']})"
         progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s{forecast}",
                         since=None)
 
     def on_step(done: int) -> None:
-        nonlocal staging
-        if staging:
-            staging = False
+        if stage is not None:
+            end_stage(by_first_step=True)
             progress.update(bar(), completed=done, status="training", since=None)
         else:
             progress.update(bar(), completed=done)
@@ -236,6 +256,7 @@ def training_progress(cfg: RunConfig):
         yield Hooks(on_step=on_step, on_log=on_log,
                     on_stage=on_stage, on_resume=on_resume)
     finally:
+        end_stage(by_first_step=False)  # a run that stopped (or had nothing to train) before its first step
         if task is not None:
             progress.stop()
 

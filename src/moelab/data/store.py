@@ -44,6 +44,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +68,7 @@ MANIFEST = "manifest.json"
 PLAN = "prepare.json"
 TOKENIZER = "tokenizer.json"
 VERIFIED = ".verified.json"
+REHASH_ENV = "MOELAB_REHASH_STORES"  # "1": every open_store re-hashes every file (`moelab train --verify-data`)
 SPLITS = ("train", "heldout")
 DEFAULT_SHARD_TOKENS = 1 << 24  # 16M tokens: 32 MB of uint16 per shard
 _BATCH_BYTES = 1 << 22  # text handed to the tokenizer at once (encode_batch threads over it)
@@ -490,8 +492,14 @@ class Store:
                             for name, d in ((n, self.manifest["domains"][n]) for n in self.domains)}}
 
 
-def open_store(location: str | Path) -> Store:
+def open_store(location: str | Path, rehash: bool | None = None) -> Store:
     """Open and verify the token store at `location` (a folder, or a URL fetched into a local cache).
+
+    What is checked when: the manifest's structure and its `store_hash` (recomputed from the files it lists)
+    every time; every listed file's size every time; its SHA-256 when the file's (size, mtime, inode, ctime)
+    differ from the last verified ones in `.verified.json` (a restored mtime still moves the ctime, and a copy
+    moves the inode), and every file's SHA-256 with `rehash` (`moelab data show --verify`, `moelab train
+    --verify-data`, which sets REHASH_ENV for the run and its workers; `rehash` None reads it).
 
     Raises:
         DataError: no manifest (not a store, or a prepare that did not finish), a manifest that does not match
@@ -509,14 +517,73 @@ def open_store(location: str | Path) -> Store:
                if unfinished else "; prepare one with `moelab data prepare CONFIG --out STORE`."))
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT:
-            raise KeyError("format")
-    except (ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{location}/{MANIFEST} is not a valid {FORMAT} manifest ({e}); prepare the store again."
-                        ) from None
-    _verify(location, root, files)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"{location}/{MANIFEST} is not JSON ({type(e).__name__}); prepare the store again.") from None
+    problem = manifest_problem(manifest)
+    if problem is None and manifest_path.read_text() != json.dumps(manifest, indent=1, sort_keys=True):
+        problem = "its text is not what `moelab data prepare` writes for its content (the file was edited)"
+    if problem:
+        raise DataError(f"{location}/{MANIFEST} is not a valid {FORMAT} manifest: {problem}. Copy the store again "
+                        "or prepare it again; nothing was read from it.")
+    if rehash is None:
+        rehash = os.environ.get(REHASH_ENV) == "1"
+    _verify(location, root, manifest["files"], rehash)
     return Store(location, root, manifest)
+
+
+def _content_hash(manifest: dict) -> str:
+    content = {"format": FORMAT, "dtype": manifest["dtype"], "tokenizer": manifest["tokenizer"],
+               "files": {k: v["sha256"] for k, v in sorted(manifest["files"].items())}}
+    return hashlib.sha256(_canonical(content).encode()).hexdigest()
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What keeps `manifest` from being a store's, in one phrase (a key, a type, a path out of the store, a
+    store_hash that its files no longer give), or None: checked before any of it is used."""
+    if not isinstance(manifest, dict):
+        return f"it is a JSON {type(manifest).__name__}, not an object"
+    for key, kind in (("format", str), ("dtype", str), ("tokenizer", dict), ("files", dict), ("domains", dict),
+                      ("domain_order", list), ("store_hash", str)):
+        if not isinstance(manifest.get(key), kind):
+            return f"{key!r} is missing or not a {kind.__name__}"
+    if manifest["format"] != FORMAT:
+        return f"format is {manifest['format']!r}, not {FORMAT!r}"
+    if manifest["dtype"] not in ("uint16", "uint32"):
+        return f"dtype {manifest['dtype']!r} is not uint16 or uint32"
+    token = manifest["tokenizer"]
+    if not (token.get("kind") in ("byte", "hf") and _count(token.get("vocab_size")) and _count(token.get("eos_id"), 0)):
+        return "tokenizer must hold kind (byte or hf), vocab_size and eos_id"
+    for name, entry in manifest["files"].items():
+        path = Path(name)
+        if path.is_absolute() or ".." in path.parts or not name:
+            return f"file {name!r} is not a path inside the store"
+        if not (isinstance(entry, dict) and _count(entry.get("bytes"), 0) and isinstance(entry.get("sha256"), str)
+                and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            return f"file {name!r} must have bytes (an integer) and sha256 (64 hex digits)"
+    order = manifest["domain_order"]
+    if not (all(isinstance(d, str) for d in order) and sorted(order) == sorted(manifest["domains"])):
+        return "domain_order does not list each domain once"
+    for name, domain in manifest["domains"].items():
+        splits = domain.get("splits") if isinstance(domain, dict) else None
+        if not (isinstance(splits, dict) and set(splits) == set(SPLITS)):
+            return f"domain {name!r} must have the splits {', '.join(SPLITS)}"
+        for split, entry in splits.items():
+            shards = entry.get("shards") if isinstance(entry, dict) else None
+            if not (isinstance(shards, list) and _count(entry.get("num_tokens"), 0)):
+                return f"domain {name!r} split {split!r} must have num_tokens and a list of shards"
+            for shard in shards:
+                if not (isinstance(shard, dict) and shard.get("tokens") in manifest["files"]
+                        and shard.get("docs") in manifest["files"] and _count(shard.get("num_tokens"), 0)
+                        and _count(shard.get("num_documents"), 0)):
+                    return f"domain {name!r} split {split!r} has a shard that is not a listed tokens/docs pair"
+    if _content_hash(manifest) != manifest["store_hash"]:
+        return "its store_hash is not the hash of the files it lists (the manifest was edited)"
+    return None
+
+
+def _count(value: Any, least: int = 1) -> bool:
+    """An integer (not a bool) >= least."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def read_manifest(location: str | Path) -> dict:
@@ -542,7 +609,7 @@ def store_hashes(cfg: DataConfig) -> dict[str, str]:
     return hashes
 
 
-def _verify(location: str, root: Path, files: dict[str, dict]) -> None:
+def _verify(location: str, root: Path, files: dict[str, dict], rehash: bool = False) -> None:
     listed = set(files)
     on_disk = {str(p.relative_to(root)) for p in root.glob("*/*.npy")}
     extra = sorted(on_disk - listed)
@@ -557,20 +624,20 @@ def _verify(location: str, root: Path, files: dict[str, dict]) -> None:
     fresh = {}
     for name, entry in sorted(files.items()):
         path = root / name
-        if not path.is_file():
-            raise DataError(f"token store {location}: {name} is listed in {MANIFEST} but missing; nothing was "
-                            "trained on the store. Copy the store again or prepare it again.")
+        if path.is_symlink() or not path.is_file():
+            raise DataError(f"token store {location}: {name} is listed in {MANIFEST} but missing (or not a plain "
+                            "file); nothing was read from the store. Copy the store again or prepare it again.")
         stat = path.stat()
         if stat.st_size != entry["bytes"]:
             raise DataError(f"token store {location}: {name} is truncated or damaged ({stat.st_size} bytes, the "
-                            f"manifest says {entry['bytes']}); nothing was trained on the store. Copy the store "
+                            f"manifest says {entry['bytes']}); nothing was read from the store. Copy the store "
                             "again or prepare it again.")
-        key = [stat.st_size, stat.st_mtime_ns, entry["sha256"]]
-        if cache.get(name) != key:
+        key = [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns, entry["sha256"]]
+        if rehash or cache.get(name) != key:
             actual = sha256_file(path)
             if actual != entry["sha256"]:
                 raise DataError(f"token store {location}: {name} is corrupted (SHA-256 {actual[:12]}..., the "
-                                f"manifest says {entry['sha256'][:12]}...); nothing was trained on the store. Copy "
+                                f"manifest says {entry['sha256'][:12]}...); nothing was read from the store. Copy "
                                 "the store again or prepare it again.")
         fresh[name] = key
     if fresh != cache:
