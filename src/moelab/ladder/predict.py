@@ -658,7 +658,10 @@ def load_on_track(path: str | Path) -> OnTrack:
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DataError(f"{sidecar} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it or "
                             "refit to rewrite it.") from None
-    return OnTrack(rows, source=str(path), checkpoint_sd=checkpoint_sd)
+    try:
+        return OnTrack(rows, source=str(path), checkpoint_sd=checkpoint_sd)
+    except DataError as err:  # the rows' own checks name the run and step; the reader names the file
+        raise DataError(f"{path}: {err}") from None
 
 
 def compute_equivalent_speedup(baseline_fit: EnvelopeFit, candidate_loss: float, candidate_compute: float) -> float:

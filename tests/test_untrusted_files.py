@@ -1,0 +1,43 @@
+"""Readers of files someone else wrote answer any damage with an error naming the file, never a traceback
+(issue 29): a prediction and its sidecar (`moelab train --predicted`), a run's checkpoints (`load_run`).
+The bundle, ledger and token store have theirs beside their own tests (test_bundle.py, test_store.py)."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from mutations import fresh_copy, mutations
+from test_ladder_checks import HEADER, _curve_rows, _four_rungs, _write_csv
+from test_ladder_fit import _synthetic_run
+
+from moelab.errors import ConfigError, DataError
+from moelab.ladder.predict import fit_curves, load_on_track
+
+FUZZ = dict(deadline=None, derandomize=True, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def prediction(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prediction")
+    _write_csv(folder / "CURVES.csv", HEADER, _curve_rows(_four_rungs(np.random.default_rng(0))))
+    planned = _synthetic_run("target", 3e8, 1600, "wsd", np.random.default_rng(0))
+    _write_csv(folder / "TARGET.csv", HEADER[:5], [row[:5] for row in _curve_rows([planned])])
+    fit_curves(folder / "CURVES.csv", folder / "TARGET.csv", folder / "PRED.csv", num_bootstrap=20)
+    return folder
+
+
+def test_a_damaged_prediction_or_sidecar_is_refused_by_name(prediction, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pred-fuzz")
+
+    @settings(max_examples=80, **FUZZ)
+    @given(mutation=mutations(["PRED.csv", "PRED.json"]))
+    def run(mutation):
+        copy = fresh_copy(prediction, tmp / "p")
+        mutation.apply(copy)
+        try:
+            load_on_track(copy / "PRED.csv")
+        except (DataError, ConfigError) as e:
+            assert "PRED" in str(e), e
+
+    run()
