@@ -136,3 +136,18 @@ def test_retention_keeps_the_newest_k_and_every_mth(tmp_path):
     train(cfg, tmp_path)
     kept = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == [4, 8, 10, 12]
+
+
+def test_a_read_only_checkpointer_prints_none_of_orbaxs_read_only_notes(tmp_path, caplog):
+    """generate / eval / export restore read-only: Orbax's three WARNING lines about it (which options it turned
+    off, "Given directory is read only") are dropped while the manager is built; other absl warnings still pass."""
+    import logging
+
+    from moelab.config import CheckpointConfig
+    from moelab.train.checkpoint import Checkpointer
+
+    caplog.set_level(logging.WARNING, logger="absl")
+    Checkpointer(tmp_path, CheckpointConfig(keep_last=3, keep_every=10), read_only=True).close()
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == []
+    logging.getLogger("absl").warning("an unrelated absl warning")
+    assert [r.getMessage() for r in caplog.records] == ["an unrelated absl warning"]

@@ -45,6 +45,14 @@ def test_eval_loss_is_the_models_own_loss_and_bits_per_byte_follow_from_it(train
     assert s.bits_per_byte == pytest.approx(s.loss * s.tokens / s.bytes / math.log(2))
 
 
+@pytest.mark.parametrize("max_tokens, documents", [(25, 3), (22, 2), (None, 30)])
+def test_max_tokens_counts_only_the_documents_its_tokens_reach(trained, max_tokens, documents):
+    """30 documents of 10 byte tokens, each after an eos: 25 tokens reach into the third; 22 end on the eos
+    before it (the third has no token scored). The table once said all 30 whatever --max-tokens kept."""
+    scores = eval_loss.evaluate_documents(trained, {"d": ["abcdefghij"] * 30}, batch_size=2, max_tokens=max_tokens)
+    assert scores["d"].documents == documents and scores["d"].tokens == (max_tokens or 30 * 11 - 1)
+
+
 def test_eval_command_scores_each_data_file_as_a_domain(trained_tiny_run, tmp_path, monkeypatch, capsys):
     (tmp_path / "notes.txt").write_text("def f(x):\n    return x + 1\n" * 20)
     (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": f"{a} + {a} = {2 * a}"}) + "\n" for a in range(30)))
@@ -58,10 +66,16 @@ def test_eval_command_scores_each_data_file_as_a_domain(trained_tiny_run, tmp_pa
     assert all(0 < d["bits_per_byte"] < 10 for d in result["domains"].values())
 
 
-@pytest.mark.parametrize("args, expected", [([], "give --data"), (["--data", "missing.txt"], "missing.txt")])
+@pytest.mark.parametrize("args, expected", [
+    ([], "give --data"),
+    (["--data", "missing.txt"], "--data missing.txt: no such file"),
+    (["--data", "missing*.jsonl"], "--data missing*.jsonl: the pattern matches no file"),
+])
 def test_eval_bad_input_exits_2(args, expected, trained_tiny_run, monkeypatch, capsys):
     code, out, err = run_cli(["eval", str(trained_tiny_run), *args], monkeypatch, capsys)
-    assert code == 2 and out == "" and expected in err and "Traceback" not in err
+    message = " ".join(err.split())  # Rich wraps the paragraph
+    assert code == 2 and out == "" and expected in message and "Traceback" not in err
+    assert "data.domains" not in message  # a field the user never wrote: they passed a file
 
 
 def _mc_task(folder):
@@ -111,3 +125,26 @@ def test_eval_tasks_runs_a_local_multiple_choice_task_and_names_an_unknown_one(t
     code, out, err = run_cli(["eval", str(trained_tiny_run), "--tasks", "no_such_task", "--include-path",
                               str(tmp_path)], monkeypatch, capsys)
     assert code == 2 and out == "" and "no_such_task is not an lm-eval task" in err
+
+
+def test_the_harness_runs_without_git_errors_or_progress_bars_and_restores_them(tmp_path, monkeypatch, capfd):
+    """Outside a git checkout lm-eval's `git describe` printed `fatal: not a git repository`, and HF datasets
+    and lm-eval drew progress bars, on every `moelab eval --tasks`: inside `_quiet_harness` neither prints."""
+    pytest.importorskip("lm_eval", reason="lm-eval (the `evals` extra) is not installed")
+    import datasets
+    import lm_eval.api.task
+    import lm_eval.evaluator
+
+    from moelab.evals.harness import _quiet_harness
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # not in a git repository, wherever TMPDIR is
+    datasets.enable_progress_bars()
+    with _quiet_harness():
+        assert lm_eval.evaluator.get_git_commit_hash() is None
+        assert datasets.are_progress_bars_disabled()
+        list(lm_eval.api.task.tqdm(range(3)))
+    assert capfd.readouterr().err == ""
+    assert not datasets.are_progress_bars_disabled()
+    lm_eval.evaluator.get_git_commit_hash()
+    assert "not a git repository" in capfd.readouterr().err  # what it prints unpatched: the test can fail

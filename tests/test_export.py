@@ -98,6 +98,8 @@ def test_export_refuses_an_existing_target_without_force_and_replaces_it_with(tr
     assert json.loads(out)["layout"] == "moelab"
     assert sorted(p.name for p in target.iterdir()) == ["README.md", "config.json", "model.safetensors",
                                                        "tokenizer.json"]
+    readme = (target / "README.md").read_text()  # names the run, not where it lives on this machine
+    assert readme.startswith(f"# {trained_tiny_run.name}\n") and str(trained_tiny_run.parent) not in readme
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left beside it
 
 

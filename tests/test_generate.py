@@ -145,6 +145,24 @@ def test_generate_bad_input_exits_2_with_one_paragraph_and_no_output(case, train
     assert expected in message
 
 
+def test_a_folder_that_is_not_a_run_names_the_runs_below_it_or_what_a_run_holds(tmp_path, monkeypatch, capsys):
+    """A lab root holds its runs two levels down (ROOT/EXPERIMENT/STEP-VERSION); the error used to suggest
+    `runs/demo/steps/train-demo-tiny-...`, a layout nothing writes."""
+    for run in ("demo-tiny/train-main-1a2b3c4d", "demo-tiny/rung-0-5e6f7a8b"):
+        (tmp_path / "root" / run / "checkpoints").mkdir(parents=True)
+        (tmp_path / "root" / run / "config.yaml").write_text("name: x\n")
+    (tmp_path / "root" / "demo-tiny" / "fit-9c0d1e2f").mkdir()  # a step that is not a training: not suggested
+    code, _, err = _generate(tmp_path / "root", monkeypatch, capsys, "--prompt", "x")
+    message = " ".join(err.split())  # Rich wraps the paragraph
+    assert code == 2 and "is not a moelab run" in message
+    runs = [str(tmp_path / "root" / "demo-tiny" / r) for r in ("rung-0-5e6f7a8b", "train-main-1a2b3c4d")]
+    assert f"The runs below it: {runs[0]}, {runs[1]}; give one of those." in message and "fit-" not in message
+    (tmp_path / "empty").mkdir()
+    code, _, err = _generate(tmp_path / "empty", monkeypatch, capsys, "--prompt", "x")
+    message = " ".join(err.split())
+    assert code == 2 and "it holds config.yaml and checkpoints/" in message and "steps/" not in message
+
+
 def test_reading_a_run_that_is_saving_a_checkpoint_changes_nothing_on_disk(trained_tiny_run, tmp_path):
     """generate / eval / export read runs that may still be training: a newest step without its manifest
     (a save in progress) and an Orbax temporary folder are skipped and left alone, not moved aside or deleted."""

@@ -100,6 +100,36 @@ def test_git_commit_is_the_head_of_the_repository_holding_the_spec(tmp_path, mon
     assert code == 0 and body["git_commit"] == commit and body["git_dirty"] is False
 
 
+def test_an_amendment_of_a_spec_outside_git_records_moelabs_checkout_and_labels_the_diff_a_and_b(
+        lab, tmp_path, monkeypatch):
+    """A spec copied out of the checkout (into tmp_path, no repository) used to record `git commit none`: the
+    commit is then that of the checkout moelab runs from (here a fresh repository standing in for it). The
+    diff goes from `a/` + the file registered to `b/` + the amending file, not the new name on both sides."""
+    from moelab.lab import registry
+
+    ledger, spec, run = lab
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # tmp_path is in no repository
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for args in (["init", "-q"], ["-c", "user.email=t@moelab", "-c", "user.name=t", "commit", "-q",
+                                  "--allow-empty", "-m", "code"]):
+        subprocess.run(["git", "-C", str(checkout), *args], check=True, capture_output=True)
+    commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    monkeypatch.setattr(registry, "_PACKAGE_DIR", checkout)
+    assert run("register", str(spec))[0] == 0
+    (tmp_path / "edited").mkdir()
+    edited = write_spec(tmp_path / "edited" / "spec-v2.yaml", spec_data(title="Another title"))
+    code, out, err = run("amend", "exp-a", str(edited), "--reason", "a clearer title", "--json")
+    assert code == 0, err
+    body = json.loads(out)["body"]
+    assert body["git_commit"] == commit and body["git_dirty"] is False
+    old_label, new_label = str(spec).lstrip("/"), str(edited).lstrip("/")
+    assert body["diff"].startswith(f"--- a/{old_label}\n+++ b/{new_label}\n")
+    _, out, _ = run("show", "exp-a", "--markdown")
+    assert "none (not in a git repository)" not in out and f"`{commit[:12]}`" in out
+
+
 def test_markdown_is_issue_ready_with_question_hypothesis_prediction_and_provenance(lab):
     _, spec, run = lab
     code, out, _ = run("register", str(spec), "--markdown")

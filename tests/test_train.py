@@ -1,6 +1,7 @@
 """Training behaviour: the loss falls below the corpus's unigram entropy, schedules have their shape."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -64,10 +65,12 @@ def test_a_finished_run_is_recognised_before_anything_compiles(tmp_path, monkeyp
         assert train(cfg, tmp_path) == first
 
 
-def test_summary_throughput_is_the_steady_state_after_the_first_step(tmp_path, monkeypatch):
+def test_throughput_is_the_steady_state_after_the_first_step_and_the_compile_is_reported_apart(tmp_path,
+                                                                                             monkeypatch):
     """A clock that only moves inside train steps: the first (compiling) step takes 1000 s, every other
-    one 1 s. The summary must say one step's tokens per second, not a figure diluted by the compile
-    (the old summary used the last log window, which held the compile in a short run)."""
+    one 1 s. The summary and every logged record (what the progress bar shows) must say one step's tokens
+    per second, not a figure diluted by the compile (the old summary used the last log window, which held
+    the compile in a short run; the first record's window held it until issue 31), and `compile_s` the 1000 s."""
     from types import SimpleNamespace
 
     from moelab.train import loop
@@ -86,10 +89,14 @@ def test_summary_throughput_is_the_steady_state_after_the_first_step(tmp_path, m
 
     monkeypatch.setattr(loop, "make_train_step", timed_make_train_step)
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
-    cfg = override(presets.get("tiny"), {"train.steps": 4, "train.eval_batches": 1, "train.log_every": 4})
+    cfg = override(presets.get("tiny"), {"train.steps": 4, "train.eval_batches": 1, "train.log_every": 2})
     summary = train(cfg, tmp_path)
     assert clock["calls"] == 4
-    assert summary["tokens_per_s"] == pytest.approx(cfg.train.batch_size * cfg.model.seq_len)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    assert summary["tokens_per_s"] == pytest.approx(tokens_per_step) and summary["compile_s"] == pytest.approx(1000)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tokens_per_s"]) for r in records] == [(2, pytest.approx(tokens_per_step)),
+                                                                 (4, pytest.approx(tokens_per_step))]
 
 
 @pytest.mark.slow
@@ -114,7 +121,9 @@ def test_hooks_hear_each_slow_stage_before_the_first_step_and_the_resume(tmp_pat
     heard.clear()
     train(override(cfg, {"train.steps": 3}), tmp_path, hooks)
     assert ("resume", 2, "2") in heard
-    assert [e[1] for e in heard if e[0] == "stage"] == ["building the model", "compiling the train step"]
+    # A resume compiles what its first eval needs before the steps too (no stall mid-run, no compile in tok/s).
+    assert [e[1] for e in heard if e[0] == "stage"] == stages
+    assert heard.index(("stage", "compiling the train step")) < heard.index(("step", 3))
 
 
 def test_the_progress_status_shows_how_long_the_current_stage_has_run():
@@ -129,3 +138,23 @@ def test_the_progress_status_shows_how_long_the_current_stage_has_run():
     assert _StatusColumn().render(progress.tasks[task]).plain == "compiling the train step 12 s"
     progress.update(task, status="loss 4.500  9,000 tok/s", since=None)
     assert _StatusColumn().render(progress.tasks[task]).plain == "loss 4.500  9,000 tok/s"
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_train_steps_compile_time_stays_on_a_line_and_off_a_terminal_every_stages_does(terminal, monkeypatch,
+                                                                                          capsys):
+    """On a terminal the bar shows each stage live and keeps the compile's time (the stage the first step ends)
+    on a line; piped to a file the bar is not redrawn, and the stages' times used to vanish."""
+    from moelab.cli.common import err_console
+    from moelab.cli.train import training_progress
+
+    monkeypatch.setattr(err_console, "_force_terminal", terminal)
+    with training_progress(presets.get("tiny")) as hooks:
+        hooks.stage("building the model")
+        hooks.stage("compiling the train step")
+        hooks.on_log({"step": 1, "loss": 4.5, "tokens_per_s": 9000.0})
+        hooks.on_step(1)
+        hooks.on_step(2)
+    err = capsys.readouterr().err
+    assert len(re.findall(r"compiling the train step: \d+\.\d s", err)) == 1
+    assert bool(re.search(r"building the model: \d+\.\d s", err)) is not terminal

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,7 +19,7 @@ from rich.table import Table
 from moelab.cli.common import JsonOpt, err_console, out_console
 from moelab.cli.generate import RunArg, TokenizerOpt
 from moelab.config import DataConfig, DomainConfig, from_dict, read_data_yaml
-from moelab.errors import ConfigError
+from moelab.errors import ConfigError, DataError
 
 __all__ = ["evaluate"]
 
@@ -31,12 +32,27 @@ def _data_config(paths: list[Path]) -> DataConfig:
         if path.suffix in (".yaml", ".yml"):
             domains += from_dict(read_data_yaml(path), DataConfig).domains
         else:
+            _check_exists(path)
             name = path.name.split(".")[0] or "data"
             domains.append(DomainConfig(name=name, kind="files", paths=(str(path.absolute()),)))
     names = [d.name for d in domains]
     if len(set(names)) != len(names):
         raise ConfigError(f"--data gives domains {names}, some twice; name each once (a data YAML names them).")
     return DataConfig(domains=tuple(domains))
+
+
+def _check_exists(path: Path) -> None:
+    """A --data file that is missing (or a glob that matches none) is named as the user typed it: as a domain
+    it would be `data.domains[NAME].paths`, a field they never wrote."""
+    if str(path).startswith("hf:"):
+        return
+    if any(c in str(path) for c in "*?["):
+        if not glob.glob(str(path), recursive=True):
+            raise DataError(f"--data {path}: the pattern matches no file; fix it, or give a data YAML or a "
+                            ".txt / .jsonl / .parquet file.")
+    elif not path.exists():
+        raise DataError(f"--data {path}: no such file ({path.absolute()} does not exist); give a data YAML or a "
+                        ".txt / .jsonl / .parquet file (or a glob of them).")
 
 
 def evaluate(

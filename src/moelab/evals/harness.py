@@ -9,12 +9,17 @@
 - `loglikelihood_rolling(text)`: the text's summed log-probability, windows as `moelab.evals.loss`;
 - `generate_until(context, {until, max_gen_toks})`: greedy KV-cache decoding (`moelab.model.decode`) until
   eos, a stop string or the token budget.
-lm-eval is an optional dependency (`pip install lm_eval`), imported only here.
+lm-eval is an optional dependency (`pip install lm_eval`), imported only here. `run_tasks` keeps lm-eval's
+chatter that says nothing about the tasks off the terminal (`_quiet_harness`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import subprocess
 from typing import Any
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
@@ -113,6 +118,37 @@ def run_tasks(run: Any, tasks: list[str], *, include_path: str | None = None, li
     if unknown:
         raise ConfigError(f"--tasks: {', '.join(unknown)} is not an lm-eval task here; list the installed ones with "
                           "`lm-eval ls tasks`, or define one in a YAML file and pass its folder as --include-path.")
-    out = lm_eval.simple_evaluate(model=make_lm(run, batch_size), tasks=tasks, task_manager=manager, limit=limit,
-                                  bootstrap_iters=0, log_samples=False)
+    with _quiet_harness():
+        out = lm_eval.simple_evaluate(model=make_lm(run, batch_size), tasks=tasks, task_manager=manager, limit=limit,
+                                      bootstrap_iters=0, log_samples=False)
     return out["results"]
+
+
+def _git_describe_quietly() -> str | None:
+    """lm-eval's `get_git_commit_hash` (the `git describe --always` it records) with git's stderr dropped."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+@contextlib.contextmanager
+def _quiet_harness():
+    """Silence what lm-eval prints besides the results: `fatal: not a git repository` (its `git describe`,
+    run outside a checkout), HF datasets' "Generating test split" bars and lm-eval's bar over building the
+    requests (a few documents each, gone in a blink). Everything is restored afterwards."""
+    import datasets  # a dependency of lm-eval
+    import lm_eval.api.task
+    import lm_eval.evaluator
+    from tqdm import tqdm
+
+    bars_were_off = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", _git_describe_quietly), \
+                mock.patch.object(lm_eval.api.task, "tqdm", functools.partial(tqdm, disable=True)):
+            yield
+    finally:
+        if not bars_were_off:
+            datasets.enable_progress_bars()

@@ -43,7 +43,7 @@ class DomainScore(NamedTuple):
     bits_per_byte: float
     tokens: int  # predicted tokens
     bytes: int  # UTF-8 bytes of the documents
-    documents: int
+    documents: int  # documents scored (with --max-tokens, those the kept tokens reach)
 
 
 def domain_documents(cfg: DataConfig) -> dict[str, list[str]]:
@@ -111,8 +111,8 @@ def evaluate_documents(run: Any, documents: Mapping[str, Sequence[str]], *, batc
     Args:
         documents: {domain: [text, ...]}.
         batch_size: windows per forward (the last batch is padded to it, so one program compiles).
-        max_tokens: score at most this many tokens per domain (the first ones); None: all. The bytes then
-            count only the documents wholly or partly inside.
+        max_tokens: score at most this many tokens per domain (the first ones); None: all. The bytes and
+            documents then count only what those tokens cover (a document cut short counts once).
         on_batch: called as (domain, batches done, batches in the domain) after each forward.
     """
     cfg = run.cfg.model
@@ -123,10 +123,13 @@ def evaluate_documents(run: Any, documents: Mapping[str, Sequence[str]], *, batc
         if not docs:
             raise DataError(f"domain {domain} has no text to evaluate; give it a non-empty file.")
         stream = token_stream(run.tokenizer, docs)
+        num_docs = len(docs)
         if max_tokens is not None and len(stream) > max_tokens + 1:
             stream = stream[:max_tokens + 1]
             text = run.tokenizer.decode(stream)  # the bytes the kept tokens stand for
             num_bytes = len(text.encode("utf-8"))
+            # Each document starts after an eos; it is scored if a token after its eos is still a target.
+            num_docs = int(np.count_nonzero(stream[:-1] == run.tokenizer.eos_id))
         else:
             num_bytes = sum(len(d.encode("utf-8")) for d in docs)
         rows, mask = windows(stream, cfg.seq_len)
@@ -143,5 +146,5 @@ def evaluate_documents(run: Any, documents: Mapping[str, Sequence[str]], *, batc
         tokens = int(mask.sum())
         loss = total / tokens
         scores[domain] = DomainScore(loss, math.exp(loss), total / math.log(2) / max(num_bytes, 1), tokens, num_bytes,
-                                     len(docs))
+                                     num_docs)
     return scores

@@ -166,7 +166,7 @@ def _gpt2_byte_table() -> dict[int, str]:
     return table
 
 
-def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run: Path, files: list[str]) -> str:
+def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name: str, files: list[str]) -> str:
     m = cfg.moe
     shape = (f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads ({cfg.num_kv_heads} KV, head "
              f"dim {cfg.dim_per_head}), RoPE theta {cfg.rope_theta:g}, context {cfg.seq_len}, vocab {cfg.vocab_size}; "
@@ -183,7 +183,7 @@ def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run: Path
                "(never to weight them). Load it back with:\n\n```python\nfrom moelab.export.writer import "
                "load_export\ncfg, params, router_bias = load_export(\"THIS_FOLDER\")\n```\n\nand run "
                "`moelab.model.transformer.apply(params, tokens, cfg, router_bias)`.\n")
-    return (f"# {run.name}\n\nA moelab Mixture-of-Experts model exported from `{run}` at step {step}.\n\n"
+    return (f"# {run_name}\n\nA moelab Mixture-of-Experts model exported from the run `{run_name}` at step {step}.\n\n"
             f"Architecture: {shape}. Pre-norm blocks (RMSNorm), SwiGLU experts, untied embedding and head.\n\n"
             f"{use}\nFiles: {', '.join(files)}, config.json, tokenizer.json.\n")
 
@@ -192,7 +192,8 @@ def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_byte
                source: str | Path = "a moelab run") -> dict:
     """Write `run` (a `moelab.train.weights.RunWeights`) to the folder `out`; returns what was written.
 
-    `source` names the run in the README.
+    `source` is the run's folder; the README names it by its last part only (a shared export must not carry
+    the building machine's paths).
 
     Returns:
         {"out", "layout" ("mixtral" or "moelab"), "why" (None for Mixtral), "files", "bytes"}.
@@ -219,7 +220,7 @@ def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_byte
             run.tokenizer.save(staging / "tokenizer.json")
         else:
             (staging / "tokenizer.json").write_text(byte_tokenizer_json())
-        (staging / "README.md").write_text(_readme(cfg, layout, why, run.step, Path(source), files))
+        (staging / "README.md").write_text(_readme(cfg, layout, why, run.step, Path(source).resolve().name, files))
         staging.chmod(0o755)  # mkdtemp makes it private; an export is for sharing
         for path in staging.iterdir():
             path.chmod(0o644)

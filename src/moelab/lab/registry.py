@@ -214,10 +214,13 @@ def resolve_run_config(spec: Spec) -> RunConfig:
     return presets.resolve(spec.config)
 
 
-def _spec_diff(old: dict, new: dict, name: str) -> str:
+def _spec_diff(old: dict, new: dict, old_source: str, new_source: str) -> str:
+    """A unified diff from the version in force (`a/` + the file it was registered or last amended from) to
+    the new one (`b/` + its file), labelled as git labels a diff (a leading / dropped)."""
     # Sorted keys on both sides: the ledger's copy is canonical JSON, so the author's order is gone.
     dump = lambda d: yaml.safe_dump(d, sort_keys=True, allow_unicode=True).splitlines(keepends=True)  # noqa: E731
-    return "".join(difflib.unified_diff(dump(old), dump(new), f"{name} (registered)", f"{name} (amended)"))
+    label = lambda prefix, source: prefix + Path(source).as_posix().lstrip("/")  # noqa: E731
+    return "".join(difflib.unified_diff(dump(old), dump(new), label("a/", old_source), label("b/", new_source)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,8 +259,15 @@ def load_experiment(ledger: Ledger, exp_id: str) -> Experiment:
                       tuple(records(ledger, kind="run", key=exp_id)))
 
 
+_PACKAGE_DIR = Path(__file__).resolve().parent  # moelab's source: in a checkout, the code that runs the spec
+
+
 def _provenance(spec_path: Path, data: dict) -> dict:
+    # The repository holding the spec; for a spec kept outside one (a copy edited in /tmp, say), the checkout
+    # moelab runs from, which used to be recorded as no commit at all.
     commit, dirty = git_state(spec_path.resolve().parent)
+    if commit is None:
+        commit, dirty = git_state(_PACKAGE_DIR)
     return {"spec": data, "spec_hash": spec_hash(data), "source": str(spec_path), "git_commit": commit,
             "git_dirty": dirty}
 
@@ -303,7 +313,7 @@ def amend(ledger: Ledger, exp_id: str, spec_path: str | Path, reason: str) -> Ex
                           f"(sha256 {experiment.spec_hash[:12]}...); there is nothing to amend.")
     body.update(previous_hash=experiment.spec_hash, reason=reason,
                 changes=changed_fields(experiment.spec_data, data),
-                diff=_spec_diff(experiment.spec_data, data, spec_path.name))
+                diff=_spec_diff(experiment.spec_data, data, experiment.source, str(spec_path)))
     append(ledger, "amendment", exp_id, body)
     return load_experiment(ledger, exp_id)
 

@@ -160,7 +160,10 @@ class WandbSink(_WriterOnly):
     incidents as `incidents/count` plus `incidents/<rule>`; the mixture as `mixture/weight/<domain>`
     and `mixture/tokens/<domain>`; samples as the table `samples` (all rows so far, re-logged at each eval
     because a logged W&B table cannot grow). The run's id is kept in `OUT/wandb/moelab_run_id`, so a
-    sink made again for the same OUT (a resumed run) logs into the same W&B run.
+    sink made again for the same OUT (a resumed run) logs into the same W&B run; the last step it logged is
+    kept beside it (`moelab_last_step`), and the resumed sink logs only later steps. A resume re-publishes
+    from its checkpoint step (a phase switch that a new `train.steps` moved there, say), and W&B refuses a
+    step below its last one online and holds it twice once an offline run is synced.
     """
 
     def __init__(self, out_dir: str | Path, config: dict, run_name: str, project: str = "moelab",
@@ -176,23 +179,35 @@ class WandbSink(_WriterOnly):
             # An offline run is written, not narrated: W&B's ~30 lines per run would bury the step events.
             kwargs["settings"] = wandb.Settings(silent=os.environ.get("WANDB_SILENT", "true").lower() == "true")
         # One W&B run per OUT: a resumed training (after a preemption, say) continues the run it started.
-        id_file = out / "wandb" / "moelab_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B ids: [a-z0-9]
+        id_file, self._step_file = out / "wandb" / "moelab_run_id", out / "wandb" / "moelab_last_step"
+        resumed = id_file.is_file()
+        run_id = id_file.read_text().strip() if resumed else secrets.token_hex(4)  # W&B ids: [a-z0-9]
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
+        # The steps the W&B run already holds (-1: none): a resumed sink logs only past them.
+        self._held = int(self._step_file.read_text()) if resumed and self._step_file.is_file() else -1
+        self._last = self._held
         self.run = wandb.init(project=project, name=run_name, group=group, config=config, dir=str(out), id=run_id,
                               resume="allow", **kwargs)
         self._num_incidents = 0
         self._sample_rows: list[list] = []
 
+    def _log(self, data: dict, step: int) -> None:
+        """`run.log` at `step` unless the run held it before this sink began; records the last step logged."""
+        if step <= self._held:
+            return
+        self.run.log(data, step=step)
+        if step > self._last:
+            self._last = step
+            self._step_file.write_text(f"{step}\n")
+
     def log(self, record: dict) -> None:
         scalars = {_wandb_name(k): v for k, v in record.items() if k != "step" and _is_number(v)}
-        self.run.log(scalars, step=record["step"])
+        self._log(scalars, record["step"])
 
     def incident(self, incident: dict) -> None:
         self._num_incidents += 1
-        self.run.log({"incidents/count": self._num_incidents, f"incidents/{incident['rule']}": 1},
-                     step=incident["step"])
+        self._log({"incidents/count": self._num_incidents, f"incidents/{incident['rule']}": 1}, incident["step"])
 
     def mixture(self, entry: dict) -> None:
         if entry["kind"] == "change":
@@ -200,12 +215,12 @@ class WandbSink(_WriterOnly):
             self.run.summary["mixture/last_change"] = entry["message"]
         else:
             data = {f"mixture/tokens/{d}": n for d, n in entry["tokens"].items()}
-        self.run.log(data, step=entry["step"])
+        self._log(data, entry["step"])
 
     def samples(self, step: int, rows: list[dict]) -> None:
         self._sample_rows += [[r["step"], r["domain"], r["prompt"], r["continuation"]] for r in rows]
         table = self._wandb.Table(columns=["step", "domain", "prompt", "continuation"], data=self._sample_rows)
-        self.run.log({"samples": table}, step=step)
+        self._log({"samples": table}, step)
 
     def close(self) -> None:
         self.run.finish()

@@ -90,6 +90,28 @@ def _quiet_orbax():
         os.write(2, held.read())
 
 
+class _ReadOnlyNotes(logging.Filter):
+    """Drops Orbax's notes on a read-only manager: which save options it turned off, and "Given directory is
+    read only=...". Three WARNING lines on every `moelab generate`, `eval` and `export` that ask nothing of
+    the user; every other absl message passes."""
+
+    PREFIXES = ("CheckpointManagerOptions.read_only=True, setting", "Given directory is read only")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIXES)
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notes():
+    """`_ReadOnlyNotes` on the absl logger while a read-only manager is built, and only then."""
+    logger, notes = logging.getLogger("absl"), _ReadOnlyNotes()
+    logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notes)
+
+
 def _until_quiet(held, settle_s: float = 0.5, most_s: float = 5.0) -> None:
     """Wait until nothing more is printed for `settle_s` (at most `most_s`): a failed save's writes that
     were still in flight report their own failure a little later, from TensorStore's threads."""
@@ -119,17 +141,18 @@ class Checkpointer:
         on disk changes; an unsealed step (a save in progress) is skipped, not moved aside or cleaned up."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep_last,
-            keep_period=cfg.keep_every,
-            # Synchronous saves: a SIGKILL right after save() returns must still find the step complete.
-            enable_async_checkpointing=False,
-            create=not read_only,
-            # A save killed midway leaves `<step>.orbax-checkpoint-tmp-*`; for a reader it may be a live save.
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        with _quiet_read_only_notes() if read_only else contextlib.nullcontext():
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=cfg.keep_last,
+                keep_period=cfg.keep_every,
+                # Synchronous saves: a SIGKILL right after save() returns must still find the step complete.
+                enable_async_checkpointing=False,
+                create=not read_only,
+                # A save killed midway leaves `<step>.orbax-checkpoint-tmp-*`; for a reader it may be a live save.
+                cleanup_tmp_directories=not read_only,
+                read_only=read_only,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, meta: dict) -> Path:
         """Save `state` at `step` and seal it with a manifest; returns the step directory."""

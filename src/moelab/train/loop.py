@@ -298,8 +298,8 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     raises. Each of `watchers` sees every eval's `eval/mean` (`Watcher`): with
     `moelab.ladder.predict.load_on_track(PRED.csv)` each eval is checked against the predicted 95% band,
     and two misses in a row are an `off_track` incident. Returns the summary: final `step`, `loss`,
-    `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s`,
-    `incidents`. Raises Preempted on SIGTERM / SIGINT.
+    `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s` (after
+    the first step), `compile_s` (the first step), `incidents`. Raises Preempted on SIGTERM / SIGINT.
 
     On a multi-host run every process trains, evaluates, saves checkpoints (Orbax coordinates
     `checkpoints/`) and returns the same summary, but only process 0 writes the other files and
@@ -365,6 +365,14 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, c
     if start.meta is not None:
         eval_initial = start.meta["eval_initial"]
         outputs.append_resume(out, start.step, changes, writer)
+        if start.step < t.steps:
+            # Compiled here, not at the first eval: there the bar would stall unexplained and the summary's
+            # throughput would hold the compile. One batch per domain and one sample, both discarded.
+            hooks.stage("compiling the eval step")
+            first_batches = {d: batches[:1] for d, batches in eval_sets.items()}
+            evaluate(eval_step, start.state.params, start.state.router_bias, first_batches)
+            hooks.stage("compiling the sampler")
+            sample(start.state, start.step)
     else:
         hooks.stage("compiling the eval step")
         eval_initial = evaluate_state(start.state)
@@ -404,6 +412,7 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
 
     last_eval, record, tokens_per_s = eval_initial, {}, 0.0
     steady_since, steady_steps = None, 0  # the throughput after this process's first (compiling) step
+    compile_s = None  # how long that first step took: the train step's compile, reported apart
     if start.step == t.steps:  # finished, but its summary was never written: summarize the final state again
         last_eval = evaluate_state(state)
         record = json.loads(start.kept[outputs.METRICS][-1]) if start.kept[outputs.METRICS] else {}
@@ -428,8 +437,10 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
             scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
             done = step + 1
             window_steps += 1
-            if steady_since is None:  # the first step compiled: time the steady state from here
+            if steady_since is None:  # the first step compiled: time the steady state, and the log window, from here
                 steady_since = time.perf_counter()
+                compile_s = steady_since - window_start
+                window_start, window_steps = steady_since, 0
             else:
                 steady_steps += 1
             snapshot = mixture.after_step(done, batch)
@@ -440,7 +451,9 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
             report(new_incidents)
             is_eval = done % t.eval_every == 0 or done == t.steps
             if done % t.log_every == 0 or is_eval or new_incidents:
-                tokens_per_s = window_steps * tokens_per_step / (time.perf_counter() - window_start)
+                # Logged at the first step, the window holds no steady step: that step (compile included) is all.
+                tokens_per_s = (window_steps * tokens_per_step / (time.perf_counter() - window_start) if window_steps
+                                else tokens_per_step / compile_s)
                 record = {"step": done, **scalars, "tokens": done * tokens_per_step,
                           "tokens_per_s": tokens_per_s, "phase": phase.name}
                 if is_eval:
@@ -487,6 +500,7 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
         # Steady state: every step this process ran after its first (which compiles), evals and saves
         # included; None when it ran fewer than two.
         "tokens_per_s": steady_steps * tokens_per_step / (time.perf_counter() - steady_since) if steady_steps else None,
+        "compile_s": compile_s,  # this process's first step (the train step's compile); None if it ran none
         "incidents": len(start.kept[outputs.INCIDENTS]) + len(incidents),
         "resumed_from": start.step or None,
         # What `moelab lab reproduce` compares a rerun with: bitwise-equal weights, and the platform that

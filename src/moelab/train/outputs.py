@@ -13,7 +13,8 @@
     tokenizer.json      the run's Hugging Face tokenizer (BPE or loaded); absent for the byte tokenizer
     data.json           a run on token stores: `store_hash` and each store's sources, hashes and token counts
     summary.json        written when the run finishes: `step`, `loss`, `eval`, `eval_initial`, `eval_mean`,
-                        `tokens`, `tokens_per_s`, `incidents`, `resumed_from`
+                        `tokens`, `tokens_per_s` (steady: after the first step), `compile_s` (that first step,
+                        which compiles), `incidents`, `resumed_from`
     checkpoints/        `moelab.train.checkpoint`
 
 Every JSONL line has a `step`; a resume from step s keeps each log's lines up to s (`read_logs_until`)

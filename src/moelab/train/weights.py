@@ -67,8 +67,11 @@ def load_run(out: str | Path, tokenizer: Path | None = None, step: int | None = 
     out = Path(out)
     config = out / outputs.CONFIG
     if not config.is_file():
-        raise DataError(f"{out} is not a moelab run: {config} does not exist. Give the --out folder of a "
-                        "`moelab train` run, e.g. runs/demo/steps/train-demo-tiny-... or runs/tiny.")
+        found = _runs_below(out)
+        hint = (f"The runs below it: {', '.join(str(p) for p in found)}; give one of those." if found else
+                "Give the --out folder of a `moelab train` run: it holds config.yaml and checkpoints/ (e.g. "
+                "runs/tiny after `moelab train --preset tiny --out runs/tiny`).")
+        raise DataError(f"{out} is not a moelab run: {config} does not exist. {hint}")
     try:
         cfg = load_yaml(config)
     except ConfigError as e:
@@ -94,6 +97,16 @@ def load_run(out: str | Path, tokenizer: Path | None = None, step: int | None = 
                         "or is a save still in progress); train it again to save one, or wait for the save.")
     state = restored.state
     return RunWeights(cfg, state.params, state.router_bias, restored.step, tok)
+
+
+def _runs_below(folder: Path, depth: int = 3, most: int = 5) -> list[Path]:
+    """Run folders (a config.yaml beside checkpoints/) at most `depth` levels below `folder`, the first `most`
+    in sorted order: what to suggest for a folder that holds runs, such as a lab root or a ladder's."""
+    found = []
+    for level in range(1, depth + 1):
+        pattern = "/".join(["*"] * level) + "/" + outputs.CONFIG
+        found += [p.parent for p in folder.glob(pattern) if (p.parent / outputs.CHECKPOINTS).is_dir()]
+    return sorted(found)[:most]
 
 
 def checkpoint_steps(out: str | Path) -> list[int]:
