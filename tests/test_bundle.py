@@ -535,3 +535,42 @@ def _sql_rows(path):
         return conn.execute("SELECT * FROM records ORDER BY seq").fetchall()
     finally:
         conn.close()
+
+
+def _edit_jsonl(name, key, line=0):
+    def edit(folder):
+        path = folder / name
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        rows[line][key] = 0.123 if not isinstance(rows[line][key], str) else "edited"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return f"{name} line {line + 1} (step {rows[line].get('step')}) is not ledger record"
+    return edit
+
+
+def _edit_json(name, key):
+    def edit(folder):
+        path = folder / name
+        data = json.loads(path.read_text())
+        data[key] = 0.123
+        path.write_text(json.dumps(data))
+        return f"{name} is not the result ledger record"
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    pytest.param(_edit_jsonl("steps/train/metrics.jsonl", "loss", 5), id="metrics"),
+    pytest.param(_edit_jsonl("steps/train/mixture_log.jsonl", "phase"), id="mixture"),
+    pytest.param(_edit_jsonl("steps/train/samples.jsonl", "continuation"), id="samples"),
+    pytest.param(_edit_json("steps/train/summary.json", "loss"), id="summary"),
+    pytest.param(_edit_json("steps/train/result.json", "tokens"), id="result"),
+    pytest.param(lambda f: (f / "steps/train/incidents.jsonl").open("a").write('{"step": 3, "rule": "spike"}\n') and
+                 "steps/train/incidents.jsonl line 1: no ledger record holds this row", id="incident"),
+])
+def test_a_file_a_ledger_record_commits_to_is_checked_against_the_record_even_resealed(lab, tmp_path, edit):
+    """Issue 31: editing a bundled metric and rewriting the manifest line once passed `lab verify`."""
+    _, _, bundle, mp = lab
+    copy = fresh_copy(bundle, tmp_path / "copy")
+    expected = edit(copy)
+    reseal(copy)
+    code, _, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
+    assert code == 1 and expected in " ".join(err.split()), err

@@ -496,6 +496,70 @@ def _check_steps(bundle: Bundle) -> list[str]:
     return problems
 
 
+# A step's files whose rows the run also appended to the ledger (`tracking.LedgerSink`): kind per file.
+_STREAMED = {METRICS: "metric", "incidents.jsonl": "incident", "mixture_log.jsonl": "mixture", "samples.jsonl": "sample"}
+# A step's files that hold its result, which its finished record commits to (a training step's summary holds
+# more keys than the result: the ones it shares must agree).
+_RESULT_FILES = (("result.json", True), (SUMMARY, False), ("prediction.json", True))
+
+
+def _first_difference(have: dict, want: dict) -> str:
+    """The first key where two records differ, with both values, in a few words."""
+    for key in sorted(set(have) | set(want)):
+        if canonical_json(have.get(key)) != canonical_json(want.get(key)):
+            return f"{key} is {have.get(key, '(absent)')!r} here, {want.get(key, '(absent)')!r} in the record"
+    return "they differ"
+
+
+def _check_committed(bundle: Bundle) -> list[str]:
+    """Each step file whose content a ledger record commits to says what the record says (issue 31): the
+    metrics, incidents, mixture log and samples the run appended row by row, its result, summary and
+    prediction in its finished record. A file edited and re-hashed into the manifest fails here."""
+    problems, own = [], _read_records(bundle.folder / RECORDS)
+    runs = {r.seq: r for r in bundle.experiment.runs}
+    for name, entry in bundle.info["steps"].items():
+        where, label = bundle.folder / entry["dir"], entry["dir"]
+        record = runs.get(entry["record"]["seq"])
+        if record is None:
+            continue  # _check_steps names it
+        result = record.body.get("result")
+        for filename, whole in _RESULT_FILES:
+            path = where / filename
+            if not isinstance(result, dict) or not path.is_file():
+                continue
+            data = json.loads(path.read_text())
+            have = data if whole else {k: data.get(k) for k in result}
+            if canonical_json(have) != canonical_json(result):
+                problems.append(f"{label}/{filename} is not the result ledger record {record.seq} holds: "
+                                f"{_first_difference(have, result)}")
+        config = where / CONFIG
+        run_name = (yaml.safe_load(config.read_text()) or {}).get("name") if config.is_file() else None
+        for filename, kind in _STREAMED.items():
+            committed: dict[Any, list[tuple[int, dict]]] = {}
+            for row in own:
+                if row["kind"] == kind and row["body"].get("run") == run_name:
+                    body = {k: v for k, v in row["body"].items() if k != "run"}
+                    committed.setdefault(body.get("step"), []).append((row["seq"], body))
+            path = where / filename
+            if not path.is_file():
+                if committed:
+                    problems.append(f"{label}/{filename} is missing, though {sum(map(len, committed.values()))} "
+                                    f"ledger record(s) hold its rows")
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                row = json.loads(line)
+                candidates = committed.get(row.get("step"), []) if isinstance(row, dict) else []
+                if any(canonical_json(body) == canonical_json(row) for _, body in candidates):
+                    continue
+                if candidates:
+                    seq, body = candidates[-1]
+                    problems.append(f"{label}/{filename} line {number} (step {row.get('step')}) is not ledger record "
+                                    f"{seq}: {_first_difference(row, body)}")
+                else:
+                    problems.append(f"{label}/{filename} line {number}: no ledger record holds this row")
+    return problems
+
+
 def _no_fn(ctx: Any) -> None:  # a Step rebuilt only to recompute its version
     raise AssertionError("never run")
 
@@ -583,7 +647,8 @@ def verify_bundle(folder: str | Path) -> BundleCheck:
         bundle = load_bundle(folder)
     except ConfigError as e:
         return BundleCheck(problems + [str(e)], digest, num_files, None, 0)
-    for check, arg in ((_check_chain, None), (_check_specs, bundle), (_check_steps, bundle), (_check_report, bundle)):
+    for check, arg in ((_check_chain, None), (_check_specs, bundle), (_check_steps, bundle), (_check_committed, bundle),
+                       (_check_report, bundle)):
         problems += _guarded(check, *((folder, bundle.info) if arg is None else (arg,)))
     num_records = len(_read_records(folder / RECORDS))
     return BundleCheck(problems, digest, num_files, bundle.info["ledger"].get("head_hash"), num_records)
