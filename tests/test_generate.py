@@ -180,3 +180,32 @@ def test_reading_a_run_that_is_saving_a_checkpoint_changes_nothing_on_disk(train
     weights = load_run(run)
     assert weights.step == int(sealed.name)
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_damaged_checkpoint_files_are_refused_by_name_never_a_traceback(trained_tiny_run, tmp_path_factory):
+    """Fuzzed (issue 29): any file of the newest checkpoint damaged, deleted or replaced; `load_run` then finds no
+    valid checkpoint (each step is sealed by a digest of its files) and says so, or loads the untouched run."""
+    from hypothesis import HealthCheck, given, settings
+
+    from mutations import fresh_copy, mutations
+    from moelab.errors import DataError
+    from moelab.train.weights import load_run
+
+    files = sorted(p.relative_to(trained_tiny_run).as_posix()
+                   for p in (trained_tiny_run / "checkpoints").rglob("*") if p.is_file())
+    tmp = tmp_path_factory.mktemp("ckpt-fuzz")
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(mutation=mutations(files))
+    def run(mutation):
+        copy = fresh_copy(trained_tiny_run, tmp / "run")
+        changed = mutation.apply(copy)
+        try:
+            load_run(copy)
+        except DataError as e:
+            assert str(copy) in str(e), e
+            return
+        assert not changed, mutation
+
+    run()
