@@ -373,7 +373,7 @@ def test_every_mutation_of_a_store_is_refused_by_name_never_a_traceback(prepared
     shards = [s["tokens"] for d in manifest["domains"].values() for sp in d["splits"].values() for s in sp["shards"]]
     tmp = tmp_path_factory.mktemp("store-fuzz")
 
-    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=25, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(mutation=mutations(["manifest.json", *shards[:2]]))
     def run(mutation):

@@ -30,7 +30,7 @@ def prediction(tmp_path_factory):
 def test_a_damaged_prediction_or_sidecar_is_refused_by_name(prediction, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pred-fuzz")
 
-    @settings(max_examples=80, **FUZZ)
+    @settings(max_examples=40, **FUZZ)
     @given(mutation=mutations(["PRED.csv", "PRED.json"]))
     def run(mutation):
         copy = fresh_copy(prediction, tmp / "p")
