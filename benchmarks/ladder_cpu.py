@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab import accounting
+from moelab.errors import DataError
 from moelab.ladder.task import TaskPoint, predict_task, read_task_points
 from moelab.ladder.predict import load_on_track, load_prediction, read_curves, score
 from moelab.ladder.rungs import load_recipe
@@ -192,7 +193,11 @@ def main() -> None:
         "seeds": seeds,
     }
     if args.task:
-        result.update(task_result(out, [(cfg.name, cfg, rung_dir(out, cfg)) for cfg in plan_ladder(recipe)[0]], targets))
+        try:
+            result.update(task_result(out, [(cfg.name, cfg, rung_dir(out, cfg)) for cfg in plan_ladder(recipe)[0]],
+                                      targets))
+        except DataError as e:  # e.g. two rung sizes: the task law needs three computes
+            result["task_error"] = str(e)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 
