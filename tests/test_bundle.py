@@ -393,7 +393,7 @@ def _fuzz_verify(bundle, tmp, mutation, resealed):
 
 
 def _fuzz(lab, tmp_path_factory, examples):
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, given, settings, strategies as st
     from mutations import mutations
 
     _, _, bundle, _ = lab
@@ -401,17 +401,11 @@ def _fuzz(lab, tmp_path_factory, examples):
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(mutation=mutations(_bundle_files(bundle)), resealed=st_booleans())
+    @given(mutation=mutations(_bundle_files(bundle)), resealed=st.booleans())
     def run(mutation, resealed):
         _fuzz_verify(bundle, tmp, mutation, resealed)
 
     run()
-
-
-def st_booleans():
-    from hypothesis import strategies as st
-
-    return st.booleans()
 
 
 def test_verify_reports_every_mutation_of_a_bundle_as_a_finding_never_a_traceback(lab, tmp_path_factory):

@@ -89,7 +89,7 @@ def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
     from moelab.config import read_yaml
     from moelab.ladder.fix import fix_recipe, recipe_data
     from moelab.ladder.predict import sidecar_path
-    from moelab.train.loop import prepare_corpus
+    from moelab.ladder.run import train_sizes
 
     noise = None
     if runs is not None:
@@ -98,8 +98,7 @@ def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
             raise ConfigError(f"--runs {runs}: {sidecar} does not exist; give the --out folder of a finished "
                               "`moelab ladder run` of this recipe.")
         noise = json.loads(sidecar.read_text())
-    sizes = {d: len(tokens) for d, tokens in prepare_corpus(recipe.target).train.items()}
-    fixed, changes = fix_recipe(recipe, sizes, noise)
+    fixed, changes = fix_recipe(recipe, train_sizes(recipe.target), noise)
     lines = [f"# {path} with its `moelab ladder plan` warnings resolved by `--fix`:"]
     lines += [f"# - {c.field}: {c.before} -> {c.after}: {c.why}." for c in changes] or ["# - nothing to change."]
     data = recipe_data(read_yaml(path, "recipe", ""), fixed)
@@ -125,12 +124,11 @@ def _warn_recipe(rungs, target, read_data: bool = True) -> None:
     three sizes (`rungs.too_few_sizes`) and, with `read_data`, for each run that would read a domain of its data
     more than once (`rungs.repeated_data`)."""
     from moelab.ladder.rungs import mixed_depth, regrouped_heads, repeated_data, short_rungs, too_few_sizes
-    from moelab.train.loop import prepare_corpus
+    from moelab.ladder.run import train_sizes
 
     warnings = short_rungs(rungs) + regrouped_heads(rungs, target) + mixed_depth(rungs, target) + too_few_sizes(rungs)
     if read_data:
-        sizes = {d: len(tokens) for d, tokens in prepare_corpus(target).train.items()}
-        warnings += repeated_data(rungs + [target], sizes)
+        warnings += repeated_data(rungs + [target], train_sizes(target))
     for warning in warnings:
         print_problem("Warning", warning, "yellow")
 

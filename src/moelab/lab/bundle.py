@@ -437,8 +437,8 @@ def _check_chain(folder: Path, info: dict) -> list[str]:
             problems.append(f"{what} does not match its hash: a field was changed after it was written")
         elif row["key"] != info.get("experiment"):
             problems.append(f"{what} belongs to another experiment than {info.get('experiment')!r}")
-        elif by_seq.get(seq, {}).get("hash") != digest or by_seq[seq].get("prev_hash") != row["prev_hash"]:
-            problems.append(f"{what} is not on the chain in {CHAIN} at its place")
+        elif any(by_seq.get(seq, {}).get(k) != row[k] for k in _LINK_FIELDS):
+            problems.append(f"{what} is not on the chain in {CHAIN} at its place (its link there differs)")
     return problems
 
 

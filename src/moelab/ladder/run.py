@@ -33,7 +33,7 @@ from moelab.ladder.rungs import LadderRecipe, check_monotone, rung_flags, rungs_
 from moelab.presets import EVALS_PER_RUN
 from moelab.train.outputs import METRICS, SUMMARY, read_jsonl
 
-__all__ = ["plan_ladder", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder"]
+__all__ = ["plan_ladder", "train_sizes", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder"]
 
 CURVE_LOSS = "eval/mean"
 
@@ -82,6 +82,13 @@ def plan_ladder(recipe: LadderRecipe) -> tuple[list[RunConfig], RunConfig]:
     return rungs, replace(cfg, train=replace(cfg.train, eval_every=every, warmup_steps=every))
 
 
+def train_sizes(cfg: RunConfig) -> dict[str, int]:
+    """Tokens per domain in `cfg`'s training split: what `rungs.data_epochs` counts passes over."""
+    from moelab.train.loop import prepare_corpus  # builds the corpus: only when the data is checked
+
+    return {d: len(tokens) for d, tokens in prepare_corpus(cfg).train.items()}
+
+
 def rung_dir(out: Path, cfg: RunConfig) -> Path:
     """Where `run_ladder` trains a rung: OUT/rungs/<name>."""
     return out / "rungs" / cfg.name
@@ -95,14 +102,11 @@ def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out:
     too short, regrouped heads, another depth, repeated data), each with its reason in the summary's
     `excluded`, while two sizes remain (`predict.fit_curves`).
     """
-    from moelab.train.loop import prepare_corpus
-
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "curves.csv", [row for cfg, run_dir in rungs for row in curve_rows(cfg, run_dir)])
     write_csv(out / "target.csv", target_rows(target))
     (out / "target.yaml").write_text(dump_yaml(target))  # the run the prediction is for, ready to train
-    sizes = {d: len(tokens) for d, tokens in prepare_corpus(target).train.items()}
-    flags = rung_flags([cfg for cfg, _ in rungs], target, sizes)
+    flags = rung_flags([cfg for cfg, _ in rungs], target, train_sizes(target))
     return fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap,
                       exclude=flags, progress=progress)
 
