@@ -568,3 +568,40 @@ def test_a_file_a_ledger_record_commits_to_is_checked_against_the_record_even_re
     reseal(copy)
     code, _, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
     assert code == 1 and expected in " ".join(err.split()), err
+
+
+LADDER_SPEC = {
+    "id": "bun-ladder", "title": "A ladder experiment's bundle", "owner": "tests",
+    "question": "Does a bundle of rungs, a fit and a watched run check out?",
+    "hypothesis": "The tiny target's eval/mean after 40 steps is below 10 nats.",
+    "prediction": {"metric": "eval/mean", "expected": 4.0, "band": [None, 10.0],
+                   "decision_rule": "Confirmed if eval/mean at the last step is below 10."},
+    "ladder": {"target": {"preset": "tiny", "overrides": {"name": "bun-target", "train.steps": 40,
+                                                           "train.eval_batches": 1}},
+               "rungs": [[32, 1], [48, 1]], "rung_batch_size": 16},
+}
+
+
+@pytest.mark.slow
+def test_a_ladder_experiments_bundle_verifies_and_the_watched_runs_prediction_is_the_fits_result(tmp_path,
+                                                                                               monkeypatch):
+    """`slow`: two rungs, a fit and a 40-step target, ~40 s on 2 cores. A training step watched against a fit
+    keeps a copy of the fit's prediction.json; it is checked against the fit's record, not the run's (a fresh
+    demo bundle once failed its own verify on that), and an edit of it resealed is still a finding."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(LADDER_SPEC))
+    ledger, bundle = tmp_path / "lab.sqlite", tmp_path / "bundle"
+    for args in (["lab", "register", "spec.yaml"], ["lab", "run", "bun-ladder", "--root", "runs"],
+                 ["lab", "export", "bun-ladder", "--out", str(bundle)]):
+        code, _, err = cli(monkeypatch, [*args, "--ledger", str(ledger)], tmp_path)
+        assert code == 0, err
+    check = verify_bundle(bundle)
+    assert check.ok, check.problems
+    fit_seq = json.loads((bundle / "bundle.json").read_text())["steps"]["fit"]["record"]["seq"]
+    copy = fresh_copy(bundle, tmp_path / "copy")
+    prediction = json.loads((copy / "steps/train/prediction.json").read_text())
+    prediction["notes"] = prediction["notes"][1:]
+    (copy / "steps/train/prediction.json").write_text(json.dumps(prediction))
+    reseal(copy)
+    problems = verify_bundle(copy).problems
+    assert any(p.startswith(f"steps/train/prediction.json is not the result ledger record {fit_seq} holds: notes")
+               for p in problems), problems

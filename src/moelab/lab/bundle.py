@@ -499,7 +499,8 @@ def _check_steps(bundle: Bundle) -> list[str]:
 # A step's files whose rows the run also appended to the ledger (`tracking.LedgerSink`): kind per file.
 _STREAMED = {METRICS: "metric", "incidents.jsonl": "incident", "mixture_log.jsonl": "mixture", "samples.jsonl": "sample"}
 # A step's files that hold its result, which its finished record commits to (a training step's summary holds
-# more keys than the result: the ones it shares must agree).
+# more keys than the result: the ones it shares must agree). A training step watched against a fit keeps a copy
+# of that fit's prediction.json: it is the fit's result, checked against the fit's record (`_result_owner`).
 _RESULT_FILES = (("result.json", True), (SUMMARY, False), ("prediction.json", True))
 
 
@@ -509,6 +510,20 @@ def _first_difference(have: dict, want: dict) -> str:
         if canonical_json(have.get(key)) != canonical_json(want.get(key)):
             return f"{key} is {have.get(key, '(absent)')!r} here, {want.get(key, '(absent)')!r} in the record"
     return "they differ"
+
+
+def _result_owner(bundle: Bundle, name: str, filename: str, runs: dict) -> Any:
+    """The finished record a step's prediction.json copies, when the step was watched against a fit step
+    (`predicted_by` in its step.json); None for any other file or step."""
+    if filename != "prediction.json":
+        return None
+    try:
+        step = json.loads((bundle.folder / bundle.info["steps"][name]["dir"] / "step.json").read_text())
+        fit = step["config"]["predicted_by"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None  # _check_steps names a missing or malformed step.json
+    entry = bundle.info["steps"].get(fit) if isinstance(fit, str) else None
+    return runs.get(entry["record"]["seq"]) if entry else None
 
 
 def _check_committed(bundle: Bundle) -> list[str]:
@@ -522,15 +537,16 @@ def _check_committed(bundle: Bundle) -> list[str]:
         record = runs.get(entry["record"]["seq"])
         if record is None:
             continue  # _check_steps names it
-        result = record.body.get("result")
         for filename, whole in _RESULT_FILES:
             path = where / filename
+            owner = _result_owner(bundle, name, filename, runs) or record
+            result = owner.body.get("result")
             if not isinstance(result, dict) or not path.is_file():
                 continue
             data = json.loads(path.read_text())
             have = data if whole else {k: data.get(k) for k in result}
             if canonical_json(have) != canonical_json(result):
-                problems.append(f"{label}/{filename} is not the result ledger record {record.seq} holds: "
+                problems.append(f"{label}/{filename} is not the result ledger record {owner.seq} holds: "
                                 f"{_first_difference(have, result)}")
         config = where / CONFIG
         run_name = (yaml.safe_load(config.read_text()) or {}).get("name") if config.is_file() else None
