@@ -9,6 +9,9 @@
     moelab lab verify                                             # recompute the hash chain
     moelab lab verify --head 3f2a9c0e51b7                         # is a published head still in it?
     moelab lab report demo-tiny                                   # HTML + Markdown report of the run
+    moelab lab site --root runs/lab --out site                    # one static site of every experiment
+    moelab lab run demo-tiny --site site                          # ... its pages rebuilt after each eval
+    moelab lab abandon demo-tiny --reason "budget moved to ..."   # stays on the record as abandoned
     moelab lab export demo-tiny --out demo-tiny.tar.gz            # a bundle anyone can check (cli/bundle.py)
     moelab lab verify demo-tiny.tar.gz                            # its hashes, chain and report numbers
     moelab lab reproduce demo-tiny.tar.gz --steps-fraction 0.1    # rerun at the recorded commit; compare
@@ -231,6 +234,10 @@ def run(
         help="Copy each training step's mixture log, metrics, incidents, summary and the ledger's export to this "
              "URL (s3://, gs://) or folder as it trains, then the report, each file a complete object.")] = None,
     publish_every: Annotated[float, typer.Option(help="Seconds between publications (with --publish).")] = 3600.0,
+    site: Annotated[Optional[Path], typer.Option(
+        "--site", help="Keep this static site (`moelab lab site`) up to date as the experiment runs: its pages are "
+                       "rebuilt at each step's start and end and, on the local backend, after each eval, e.g. "
+                       "--site site.")] = None,
 ) -> None:
     """Execute a registered experiment's DAG; refused if its spec file was edited without an amendment."""
     check_backend(backend, address)
@@ -256,13 +263,68 @@ def run(
         from moelab.train.publish import Publisher
 
         Publisher(root, publish, publish_every).check()  # unreachable or refused: exit 2 before anything runs
+    on_change = None
+    if site is not None:  # the pages of this experiment (and the index, timeline) after each event and eval
+        from moelab.lab import site as site_lib
+
+        def on_change() -> None:
+            site_lib.build_site(book, root, site, only=exp_id)
+
+        on_change()  # the index names the experiment as it starts
     outcomes = run_experiment(book, exp_id, root, spec, backend, progress=training_progress,
-                              publish=None if publish is None else (publish, publish_every), address=address)
+                              publish=None if publish is None else (publish, publish_every), address=address,
+                              on_change=on_change)
     if json_out:
         print(json.dumps([_plain(o) for o in outcomes]))
     if publish is not None and all(o.status == SUCCESS for o in outcomes):
         _publish_report(book, exp_id, publish)
     show_outcomes(exp_id, outcomes, table=not json_out)
+
+
+@lab_app.command("site")
+def site_command(
+    root: Annotated[Path, typer.Option("--root", help="Where the experiments' steps ran (`moelab lab run --root`); "
+                                                      "a predicted band is read from there.")] = Path("runs/lab"),
+    out: Annotated[Path, typer.Option("--out", help="The site's folder, e.g. site; brought up to date in place.")]
+    = Path("site"),
+    ledger: LedgerOpt = DEFAULT_LEDGER,
+    publish: Annotated[Optional[str], typer.Option(
+        "--publish", help="Then copy the site to this URL (s3://bucket/lab, gs://..., any fsspec URL) or folder, only "
+                          "the files that changed since the last publication.", show_default=False)] = None,
+    bundles: Annotated[bool, typer.Option(help="Put each ended experiment's bundle (`lab export`) in the site.")]
+    = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write one static site of every experiment: an index, a page each, a timeline; offline, no script."""
+    from moelab.lab.site import INDEX, build_site, publish_site
+
+    book = open_ledger(ledger)
+    built = build_site(book, root, out, bundles=bundles)
+    copied = publish_site(out, publish) if publish is not None else None
+    if json_out:
+        print(json.dumps({"out": str(out), "experiments": built.num_experiments, "written": built.written,
+                          "unchanged": built.unchanged, "head_seq": built.head_seq, "head_hash": built.head_hash,
+                          "published": copied}))
+        return
+    out_console.print(f"{out / INDEX}: {built.num_experiments} experiment(s), {len(built.written)} file(s) written, "
+                      f"{built.unchanged} unchanged; ledger head record {built.head_seq} ({built.head_hash[:16]}...).",
+                      highlight=False, soft_wrap=True)
+    if copied is not None:
+        out_console.print(f"Published to {publish}: {len(copied)} changed file(s) and site.json.", highlight=False,
+                          soft_wrap=True)
+
+
+@lab_app.command()
+def abandon(
+    exp_id: IdArg,
+    reason: Annotated[str, typer.Option("--reason", help="Why the experiment stops, e.g. \"budget moved to the "
+                                                        "replanned run\".", show_default=False)],
+    ledger: LedgerOpt = DEFAULT_LEDGER,
+) -> None:
+    """Record that an experiment is abandoned and why; it stays on the record (report, site) as abandoned."""
+    record = registry.abandon(open_ledger(ledger), exp_id, reason)
+    out_console.print(f"Abandoned [bold]{escape(exp_id)}[/] (record {record.seq}): {escape(reason.strip())}",
+                      highlight=False)
 
 
 def _publish_report(book, exp_id: str, destination: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 from moelab.errors import DataError
 
-__all__ = ["is_url", "join", "storage_errors", "fetch", "read_bytes", "check_writable", "upload", "publish"]
+__all__ = ["is_url", "join", "storage_errors", "fetch", "read_bytes", "exists", "check_writable", "upload", "publish"]
 
 
 def is_url(location: str | Path) -> bool:
@@ -81,7 +81,19 @@ def fetch(url: str, local: Path) -> None:
     os.replace(tmp, local)
 
 
+def exists(location: str | Path) -> bool:
+    """Whether `location` (a URL or a local path) names an existing file or object."""
+    if not is_url(location):
+        return Path(location).is_file()
+    fs, path = _filesystem(str(location))
+    with storage_errors(str(location), "reaching"):
+        return bool(fs.exists(path))
+
+
 def read_bytes(url: str) -> bytes:
+    """The content of `url`, or of a local path."""
+    if not is_url(url):
+        return Path(url).read_bytes()
     fs, path = _filesystem(url)
     with storage_errors(url, "reading"):
         return fs.cat_file(path)

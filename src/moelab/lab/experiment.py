@@ -37,8 +37,22 @@ Progress = Callable[[RunConfig], ContextManager["Hooks | None"]]
 """How a training step shows its progress: a context manager per run that yields the loop's Hooks."""
 
 
-def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
-    """Step function: train the RunConfig in `ctx.config` into the step's directory; returns the summary."""
+def _on_eval_sink(on_eval: Callable[[], None], base: type) -> Sink:
+    """A sink with `base`'s no-ops (tracking.NullSink, passed in: JAX loads only when a step trains) whose `log`
+    calls `on_eval()` after each metrics record that holds an eval."""
+
+    class OnEval(base):
+        def log(self, record: dict) -> None:
+            if any(k.startswith("eval/") for k in record):
+                on_eval()
+
+    return OnEval()
+
+
+def run_training(ctx: StepContext, progress: Progress | None = None,
+                 on_eval: Callable[[], None] | None = None) -> dict:
+    """Step function: train the RunConfig in `ctx.config` into the step's directory; returns the summary.
+    `on_eval` is called after each eval has reached the sinks (a local step only: it is no JSON config)."""
     from moelab.lab import tracking  # JAX loads only when a training step runs
     from moelab.train.loop import Watcher, train
 
@@ -48,6 +62,8 @@ def run_training(ctx: StepContext, progress: Progress | None = None) -> dict:
         sinks.append(tracking.LedgerSink(ctx.config["ledger"], ctx.config["experiment"], cfg.name))
         if tracking.wandb_available():
             sinks.append(tracking.WandbSink(ctx.output_dir, to_dict(cfg), cfg.name, group=ctx.config["experiment"]))
+    if on_eval is not None:  # after the ledger sink appended the eval: sinks run in order
+        sinks.append(_on_eval_sink(on_eval, tracking.NullSink))
     if ctx.config.get("publish"):  # the run's files and the ledger's export, to a bucket on a cadence
         sinks.append(publisher(ctx.config["ledger"], ctx.output_dir, ctx.config["publish"],
                                ctx.config["publish_every"]))
@@ -142,9 +158,15 @@ def _record_run_event(ledger: Ledger, exp_id: str, provenance: dict, event: dict
     append(ledger, "run", exp_id, {**event, **provenance})
 
 
+def _record_then(record: Callable[[dict], None], then: Callable[[], None], event: dict) -> None:
+    record(event)
+    then()
+
+
 def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Path | None = None,
                    backend: str = "local", progress: Progress | None = None,
-                   publish: tuple[str, float] | None = None, address: str | None = None) -> list[StepOutcome]:
+                   publish: tuple[str, float] | None = None, address: str | None = None,
+                   on_change: Callable[[], None] | None = None) -> list[StepOutcome]:
     """Execute a registered experiment's DAG under ROOT/<id>, each step's events on the ledger.
 
     On the local backend each training step runs under `progress(cfg)` (e.g. the CLI's progress
@@ -152,6 +174,8 @@ def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str
     default the one it was registered or last amended from) differs from the version in force: amend
     it first. Refused (ChainBroken) when the ledger's chain does not check out, before any step
     starts: its events would go on a broken chain. `address` joins a Ray cluster (`lab.dag.execute`).
+    `on_change()` (e.g. a lab site's rebuild) is called after each step event is on the ledger and, for steps
+    that train in this process (the local backend), after each eval.
     """
     check_chain(ledger)
     experiment, steps = _experiment_dag(ledger, exp_id, spec_path)
@@ -161,11 +185,13 @@ def run_experiment(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str
     if publish is not None:  # (URL, seconds): where and how often training steps publish their files
         tracked |= {"publish": publish[0], "publish_every": publish[1]}
     train = run_training
-    if progress is not None and backend == "local":
-        train = functools.partial(run_training, progress=progress)
+    if backend == "local" and (progress is not None or on_change is not None):
+        train = functools.partial(run_training, progress=progress, on_eval=on_change)
     steps = [dataclasses.replace(s, fn=train, config={**s.config, **tracked}) if s.fn is run_training else s
              for s in steps]
     commit, dirty = git_state(Path.cwd())
     provenance = {"spec_hash": experiment.spec_hash, "git_commit": commit, "git_dirty": dirty, "backend": backend}
     on_event = functools.partial(_record_run_event, ledger, exp_id, provenance)
+    if on_change is not None:
+        on_event = functools.partial(_record_then, on_event, on_change)
     return execute(steps, Path(root) / exp_id, backend=backend, on_event=on_event, address=address)

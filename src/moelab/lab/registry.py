@@ -45,7 +45,7 @@ from moelab.errors import ConfigError
 from moelab.lab.ledger import DuplicateRecord, Ledger, Record, append, canonical_json, records
 
 __all__ = ["Prediction", "Spec", "Experiment", "read_spec_file", "parse_spec", "spec_hash", "resolve_run_config",
-           "register", "amend", "load_experiment", "experiment_ids", "check_unchanged", "git_state", "to_markdown"]
+           "register", "amend", "abandon", "load_experiment", "experiment_ids", "check_unchanged", "git_state", "to_markdown"]
 
 REQUIRED = ("id", "title", "question", "hypothesis", "prediction", "owner")
 OPTIONAL = ("config", "ladder", "resources")
@@ -316,6 +316,17 @@ def amend(ledger: Ledger, exp_id: str, spec_path: str | Path, reason: str) -> Ex
                 diff=_spec_diff(experiment.spec_data, data, experiment.source, str(spec_path)))
     append(ledger, "amendment", exp_id, body)
     return load_experiment(ledger, exp_id)
+
+
+def abandon(ledger: Ledger, exp_id: str, reason: str) -> Record:
+    """Record that an experiment is abandoned, and why: it stays on the record (report, site) as abandoned, not
+    deleted. A later `moelab lab run` takes it up again (its events then follow this one)."""
+    reason = (reason or "").strip()
+    if not reason:
+        raise ConfigError("--reason is empty: say why the experiment stops, e.g. --reason \"the cluster was lost "
+                          "at step 1200 and the budget moved to the replanned run\".")
+    load_experiment(ledger, exp_id)  # an unknown id: ConfigError listing the known ones
+    return append(ledger, "run", exp_id, {"event": "abandoned", "reason": reason})
 
 
 def check_unchanged(experiment: Experiment, spec_path: str | Path) -> None:
