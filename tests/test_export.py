@@ -1,8 +1,10 @@
-"""`moelab export`: a Mixtral-expressible model loads in transformers with the same logits; any other
-round-trips through moelab's own layout with identical logits; targets are never half-written."""
+"""`moelab export`: a Mixtral-expressible model loads in transformers as Mixtral, the default recipe (sigmoid
+router with its bias, shared experts) as Glm4Moe, each with moelab's dropless logits; `--check` runs that
+comparison itself; LatentMoE round-trips through moelab's own layout; targets are never half-written."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,18 +14,17 @@ from helpers import relative_error, run_cli
 
 from moelab import presets
 from moelab.data.tokenizer import ByteTokenizer, HFTokenizer
-from moelab.export import writer
+from moelab.export import check, writer
 from moelab.model import transformer
 from moelab.train.weights import RunWeights, load_run
 
 TINY = presets.resolve("tiny", {})
 
 
-def _mixtral_run() -> RunWeights:
-    """tiny as Mixtral expresses it (softmax router, no shared experts, no latent, no bias), random weights with
-    non-unit norm gains so a swapped or missing norm shows."""
-    moe = dataclasses.replace(TINY.model.moe, router_score="softmax", num_shared_experts=0, latent_dim=None,
-                              balancing="none", dispatch="dense")
+def _random_run(with_bias: bool = False, **moe_fields) -> RunWeights:
+    """tiny with `moe_fields`, random weights with non-unit norm gains so a swapped or missing norm shows, and
+    with `with_bias` a router bias large enough to change choices."""
+    moe = dataclasses.replace(TINY.model.moe, **moe_fields)
     cfg = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, moe=moe))
     params = transformer.init(cfg.model, jax.random.key(0))
     keys = iter(jax.random.split(jax.random.key(1), 8))
@@ -31,23 +32,59 @@ def _mixtral_run() -> RunWeights:
         params["layers"][name] = 1 + 0.3 * jax.random.normal(next(keys), params["layers"][name].shape)
     params["final_norm"] = 1 + 0.3 * jax.random.normal(next(keys), params["final_norm"].shape)
     params["layers"]["w_router"] = 20 * params["layers"]["w_router"]  # decisive routing: top-k ties would not show
-    return RunWeights(cfg, params, transformer.init_router_bias(cfg.model), 0, ByteTokenizer())
+    bias = transformer.init_router_bias(cfg.model)
+    if with_bias:
+        bias = 0.3 * jax.random.normal(next(keys), bias.shape)
+    return RunWeights(cfg, params, bias, 0, ByteTokenizer())
+
+
+def _mixtral_run() -> RunWeights:
+    """tiny as Mixtral expresses it: softmax router, no shared experts, no latent, no bias."""
+    return _random_run(router_score="softmax", num_shared_experts=0, latent_dim=None, balancing="none",
+                       dispatch="dense")
+
+
+def _transformers_logits(folder, tokens: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    import torch  # the test extras install torch's CPU build and transformers
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.copy())).logits.float().numpy()
 
 
 def test_a_mixtral_style_export_loads_in_transformers_with_moelabs_logits(tmp_path):
-    import torch  # the test extras install torch's CPU build and transformers
-    from transformers import MixtralForCausalLM
-
     run = _mixtral_run()
     result = writer.export_run(run, tmp_path / "mixtral")
-    assert result["layout"] == "mixtral"
-    model = MixtralForCausalLM.from_pretrained(tmp_path / "mixtral", torch_dtype=torch.float32).eval()
+    assert result["layout"] == "mixtral" and result["hf_class"] == "MixtralForCausalLM"
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 48), 0, 257))
     ours, _ = transformer.apply(run.params, jnp.asarray(tokens), run.cfg.model, run.router_bias)
-    with torch.no_grad():
-        theirs = model(torch.from_numpy(tokens.copy())).logits.numpy()
     # Same function in float32; torch and XLA sum in other orders (~1e-6), far below any wrong weight (order 1).
-    assert relative_error(theirs, ours) < 1e-4
+    assert relative_error(_transformers_logits(tmp_path / "mixtral", tokens), ours) < 1e-4
+
+
+@pytest.mark.parametrize("moe_fields", [  # tiny's own MoE without the latent: the trained run's test below
+    # fine experts, 2 shared of another width (padded to whole expert widths), weights neither renormalized nor 1
+    dict(num_experts=16, num_experts_per_token=4, expert_dim=32, num_shared_experts=2, shared_expert_dim=48,
+         normalize_weights=False, routed_scaling=2.5),
+    pytest.param(dict(num_shared_experts=0),  # transformers builds a width-0 shared MLP, and says so
+                 marks=pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")),
+], ids=["fine-padded-shared-scaled", "no-shared"])
+def test_sigmoid_routed_models_export_as_glm4_moe_with_moelabs_dropless_logits(tmp_path, moe_fields):
+    """The router's bias is random (large enough to change choices), so a bias that did not travel, or one added
+    to the combine weights, shows; the run's `capacity` dispatch is replaced by `dropless` for the comparison."""
+    run = _random_run(with_bias=True, latent_dim=None, **moe_fields)
+    result = writer.export_run(run, tmp_path / "glm")
+    assert result["layout"] == "glm4_moe" and result["hf_class"] == "Glm4MoeForCausalLM" and result["why"] is None
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 64), 0, 257))
+    ours = check.moelab_logits(run, tokens)
+    # Same function in float32, summed in other orders: measured ~3e-7; a wrong weight or choice is order 0.1-1.
+    assert np.max(np.abs(_transformers_logits(tmp_path / "glm", tokens) - ours)) <= check.TOLERANCE
+
+
+def test_a_latent_model_exports_in_moelabs_layout_naming_what_transformers_lacks():
+    layout, why = writer.choose_layout(TINY.model, transformer.init_router_bias(TINY.model))
+    assert layout == "moelab" and "model.moe.latent_dim=32" in why and "Glm4MoeForCausalLM" in why
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +103,9 @@ def test_moelab_layout_round_trips_with_identical_logits_and_the_router_bias(tra
     if sharded:
         assert sum(name.endswith(".safetensors") for name in files) > 1
     cfg, params, bias = writer.load_export(tmp_path / "tiny")
-    assert cfg == trained.cfg.model
+    # the export is the model's function: dropless, so a forward never depends on which tokens share a batch
+    assert cfg == dataclasses.replace(trained.cfg.model, moe=dataclasses.replace(trained.cfg.model.moe,
+                                                                                   dispatch="dropless"))
     np.testing.assert_array_equal(bias, trained.router_bias)
     tokens = jnp.asarray(np.arange(2 * 64).reshape(2, 64) % 257)
     ours, _ = transformer.apply(trained.params, tokens, cfg, trained.router_bias)
@@ -111,3 +150,68 @@ def test_a_failed_export_leaves_nothing_half_written(trained, tmp_path, monkeypa
     with pytest.raises(OSError):
         writer.export_run(trained, tmp_path / "x")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def trained_default_run(tmp_path_factory):
+    """tiny's recipe without the latent, the default shape (sigmoid router with a hist-balanced bias, one shared
+    expert, top-2 of 8), trained 10 steps: the run issue 32 must load in transformers."""
+    from moelab.train.loop import train
+
+    out = tmp_path_factory.mktemp("trained-default") / "run"
+    train(presets.resolve("tiny", {"model.moe.latent_dim": None, "train.steps": 10, "train.eval_every": 10,
+                                   "train.eval_batches": 1}), out)
+    return out
+
+
+def test_check_of_a_trained_default_run_prints_logits_within_1e4_and_the_same_greedy_text(
+        trained_default_run, tmp_path, monkeypatch, capsys):
+    from safetensors.numpy import load_file
+
+    code, out, err = run_cli(["export", str(trained_default_run), "--out", str(tmp_path / "x"), "--check"],
+                             monkeypatch, capsys)
+    assert code == 0, err
+    assert "transformers Glm4MoeForCausalLM" in out and "after 'def ': the same." in out
+    measured = float(re.search(r"max \|logits difference\| (\S+) over 2x128 tokens", out).group(1))
+    assert measured <= check.TOLERANCE
+    bias = np.asarray(load_run(trained_default_run).router_bias)
+    assert np.any(bias != 0)  # the balancing moved the bias: it must travel, and it must choose
+    tensors = load_file(str(tmp_path / "x" / writer.WEIGHTS))
+    np.testing.assert_array_equal(tensors["model.layers.1.mlp.gate.e_score_correction_bias"], bias[1])
+
+
+def test_a_bfloat16_export_is_the_rounded_run_and_holds_bfloat16_inference_within_tolerance(
+        trained_default_run, tmp_path, monkeypatch, capsys):
+    """The pass is exactness against the rounded weights (1e-4); transformers computing in bfloat16 is bounded
+    by its median per-position difference, since its max is a routing flip (`moelab.export.check`)."""
+    from safetensors.numpy import load_file
+
+    code, out, err = run_cli(["export", str(trained_default_run), "--out", str(tmp_path / "x"), "--check",
+                              "--dtype", "bfloat16", "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["dtype"] == "bfloat16" and result["check"]["passed"]
+    assert result["check"]["max_abs_diff"] <= check.TOLERANCE and result["check"]["greedy"]["same"]
+    inference = result["check"]["bfloat16_inference"]
+    # bfloat16 rounds every matmul input to 8 significant bits (2^-9 relative) and transformers keeps its residual
+    # stream in bfloat16 too; on logits of size 1-10 that is a few 1e-2 per position (measured 0.02-0.05 on
+    # tiny-shaped runs). A wrong weight moves the logits by their own size.
+    assert 0 < inference["median_abs_diff"] <= 0.1 and inference["argmax_agreement"] >= 0.9
+    dtypes = {name: str(a.dtype) for name, a in load_file(str(tmp_path / "x" / writer.WEIGHTS)).items()}
+    assert {d for name, d in dtypes.items() if ".mlp.gate." not in name} == {"bfloat16"}
+    assert {d for name, d in dtypes.items() if ".mlp.gate." in name} == {"float32"}  # moelab routes in float32
+
+
+def test_check_refuses_a_latent_run_naming_the_option_and_writes_nothing(trained_tiny_run, tmp_path, monkeypatch,
+                                                                         capsys):
+    code, out, err = run_cli(["export", str(trained_tiny_run), "--out", str(tmp_path / "x"), "--check"],
+                             monkeypatch, capsys)
+    assert code == 2 and out == ""
+    assert "model.moe.latent_dim=32" in err and "Export without --check for moelab's own layout" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_an_unknown_dtype(trained_tiny_run, tmp_path, monkeypatch, capsys):
+    code, out, err = run_cli(["export", str(trained_tiny_run), "--out", str(tmp_path / "x"), "--dtype", "float16"],
+                             monkeypatch, capsys)
+    assert code == 2 and "--dtype float16 is not supported: use one of float32, bfloat16" in err

@@ -1,9 +1,10 @@
 """A run's weights as a folder other tools read: safetensors, config.json, tokenizer, README.
 
-    export_run(load_run("runs/tiny"), "exports/tiny")              # Mixtral layout where it fits
+    export_run(load_run("runs/default"), "exports/default")        # Glm4Moe / Mixtral layout where it fits
+    export_run(run, "exports/default-bf16", dtype="bfloat16")      # weights in bfloat16 (router float32)
     cfg, params, bias = load_export("exports/tiny-latent")         # moelab's own layout, back
 
-Two layouts, picked by what the model is:
+Three layouts, picked by what the model is (`choose_layout`), the first that expresses it exactly:
 
 - **Mixtral** (`transformers`' `MixtralForCausalLM`), when the architecture says exactly what moelab
   computes: softmax router with its top-k weights renormalized to sum to 1, no router bias in use
@@ -12,11 +13,16 @@ Two layouts, picked by what the model is:
   are transposed to torch's [out, in]; expert e's `w_gate`/`w_up`/`w_down` become
   `block_sparse_moe.experts.e.w1/w3/w2` (the checkpoint format Mixtral's own weights use, which every
   `transformers` version reads).
-- **moelab** otherwise (sigmoid router, a selection bias, shared experts, a latent): the params tree
+- **Glm4Moe** (`Glm4MoeForCausalLM`, DeepSeek-V3's MoE block with GQA attention), for moelab's default
+  recipe: sigmoid router with its balancing bias as `e_score_correction_bias`, shared experts, any top-k,
+  renormalized or not, any `routed_scaling`; no LatentMoE (`moelab.export.glm4_moe` says why that is the
+  closest class and why a latent does not fold).
+- **moelab** otherwise (LatentMoE; a softmax router with shared experts or a bias): the params tree
   flattened with `.` (`layers.w_q`, stacked [L, ...] as moelab holds them) plus `router_bias` [L, E],
   and config.json `{"format": "moelab", "model": {ModelConfig fields}}`; `load_export` reads it back.
 
-Weights go in `model.safetensors`, or above `max_shard_bytes` in `model-0000i-of-0000n.safetensors`
+Weights are float32, or bfloat16 with `dtype="bfloat16"` (the router's weights and bias stay float32: moelab
+routes in float32, since a rounded score flips near-tied top-k choices). They go in `model.safetensors`, or above `max_shard_bytes` in `model-0000i-of-0000n.safetensors`
 shards with `model.safetensors.index.json` (the Hugging Face index). The folder is written under a
 temporary name beside the target and renamed into place when complete, so a failed or interrupted
 export never leaves a half-written folder; an existing target is refused unless `force`.
@@ -24,6 +30,7 @@ export never leaves a half-written folder; an existing target is refused unless 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,63 +38,68 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig, from_dict, to_dict
 from moelab.errors import ConfigError, DataError
+from moelab.export.glm4_moe import glm4_moe_config, glm4_moe_mismatch, glm4_moe_tensors
+from moelab.export.llama import as_dtype, decoder_tensors
 
-__all__ = ["mixtral_mismatch", "mixtral_tensors", "mixtral_config", "moelab_tensors", "export_run", "load_export",
-           "byte_tokenizer_json", "MAX_SHARD_BYTES", "WEIGHTS", "INDEX"]
+__all__ = ["mixtral_mismatch", "mixtral_tensors", "mixtral_config", "moelab_tensors", "choose_layout", "export_run",
+           "load_export", "byte_tokenizer_json", "MAX_SHARD_BYTES", "WEIGHTS", "INDEX", "DTYPES", "HF_CLASSES"]
 
 MAX_SHARD_BYTES = 5 * 2**30  # the Hugging Face default shard size
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
+HF_CLASSES = {"mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}  # layout -> transformers class
 
 
 def mixtral_mismatch(cfg: ModelConfig, router_bias: Any) -> str | None:
-    """Why Mixtral cannot express this model exactly, or None when it can."""
+    """Why Mixtral cannot express this model exactly (naming the option), or None when it can."""
     m = cfg.moe
     if m.router_score != "softmax":
-        return f"the router scores with {m.router_score} (Mixtral: softmax)"
+        return f"model.moe.router_score={m.router_score!r} (Mixtral scores with softmax)"
     if not m.normalize_weights or m.routed_scaling != 1.0:
-        return "the combine weights are not the chosen softmax scores renormalized to 1"
+        return ("model.moe.normalize_weights / routed_scaling: Mixtral's combine weights are the chosen softmax "
+                "scores renormalized to 1")
     if m.num_shared_experts:
-        return f"it has {m.num_shared_experts} shared expert(s)"
+        return f"model.moe.num_shared_experts={m.num_shared_experts} (Mixtral has none)"
     if m.latent_dim is not None:
-        return f"its experts run in a latent of width {m.latent_dim}"
+        return f"model.moe.latent_dim={m.latent_dim} (Mixtral's experts run at d_model)"
     if np.any(np.asarray(router_bias) != 0):
-        return "its router selects with a balancing bias"
+        return "the router selects with a balancing bias (model.moe.balancing); Mixtral's has none"
     return None
 
 
-def _np(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, dtype=np.float32))
+def choose_layout(cfg: ModelConfig, router_bias: Any) -> tuple[str, str | None]:
+    """The layout that expresses this model exactly: ("mixtral" | "glm4_moe", None), else ("moelab", why not)."""
+    not_mixtral = mixtral_mismatch(cfg, router_bias)
+    if not_mixtral is None:
+        return "mixtral", None
+    not_glm4_moe = glm4_moe_mismatch(cfg)
+    if not_glm4_moe is None:
+        return "glm4_moe", None
+    return "moelab", f"not {HF_CLASSES['mixtral']}: {not_mixtral}; not {HF_CLASSES['glm4_moe']}: {not_glm4_moe}"
 
 
-def mixtral_tensors(params: dict) -> dict[str, np.ndarray]:
-    """moelab params as a Mixtral checkpoint's tensors (torch [out, in] layout)."""
+def mixtral_tensors(params: dict, dtype: np.dtype = DTYPES["float32"]) -> dict[str, np.ndarray]:
+    """moelab params as a Mixtral checkpoint's tensors (torch [out, in] layout) in `dtype`, the router float32."""
     layers = params["layers"]
-    tensors = {"model.embed_tokens.weight": _np(params["embed"]), "model.norm.weight": _np(params["final_norm"]),
-               "lm_head.weight": _np(params["lm_head"]).T}
+    tensors = decoder_tensors(params, dtype)
     for i in range(layers["w_q"].shape[0]):
         p = f"model.layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": _np(layers["attn_norm"][i]),
-            p + "post_attention_layernorm.weight": _np(layers["mlp_norm"][i]),
-            p + "self_attn.q_proj.weight": _np(layers["w_q"][i]).T,
-            p + "self_attn.k_proj.weight": _np(layers["w_k"][i]).T,
-            p + "self_attn.v_proj.weight": _np(layers["w_v"][i]).T,
-            p + "self_attn.o_proj.weight": _np(layers["w_o"][i]).T,
-            p + "block_sparse_moe.gate.weight": _np(layers["w_router"][i]).T,
-        })
+        tensors[p + "block_sparse_moe.gate.weight"] = as_dtype(layers["w_router"][i], np.float32).T
         for e in range(layers["w_gate"].shape[1]):
             q = f"{p}block_sparse_moe.experts.{e}."
-            tensors.update({q + "w1.weight": _np(layers["w_gate"][i, e]).T, q + "w3.weight": _np(layers["w_up"][i, e]).T,
-                            q + "w2.weight": _np(layers["w_down"][i, e]).T})
+            tensors.update({q + "w1.weight": as_dtype(layers["w_gate"][i, e], dtype).T,
+                            q + "w3.weight": as_dtype(layers["w_up"][i, e], dtype).T,
+                            q + "w2.weight": as_dtype(layers["w_down"][i, e], dtype).T})
     return {k: np.ascontiguousarray(v) for k, v in tensors.items()}
 
 
-def mixtral_config(cfg: ModelConfig, eos_id: int) -> dict:
+def mixtral_config(cfg: ModelConfig, eos_id: int, dtype: str = "float32") -> dict:
     """config.json for `MixtralForCausalLM` (keys of transformers 4.x and 5.x both)."""
     return {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
@@ -97,20 +109,22 @@ def mixtral_config(cfg: ModelConfig, eos_id: int) -> dict:
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_token,
         "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0, "router_jitter_noise": 0.0,
-        "output_router_logits": False, "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": "float32",
+        "output_router_logits": False, "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype,
+        "dtype": dtype,
     }
 
 
-def moelab_tensors(params: dict, router_bias: Any) -> dict[str, np.ndarray]:
-    """moelab params flattened with '.' (stacked layers as they are) plus `router_bias` [L, E]."""
-    flat = {"router_bias": _np(router_bias)}
+def moelab_tensors(params: dict, router_bias: Any, dtype: np.dtype = DTYPES["float32"]) -> dict[str, np.ndarray]:
+    """moelab params flattened with '.' (stacked layers as they are) in `dtype` plus `router_bias` [L, E]; the
+    router's weight and bias float32."""
+    flat = {"router_bias": as_dtype(router_bias, np.float32)}
 
     def walk(prefix: str, node: Any) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 walk(f"{prefix}.{key}" if prefix else key, value)
         else:
-            flat[prefix] = _np(node)
+            flat[prefix] = as_dtype(node, np.float32 if prefix.endswith("w_router") else dtype)
 
     walk("", params)
     return flat
@@ -166,51 +180,63 @@ def _gpt2_byte_table() -> dict[int, str]:
     return table
 
 
-def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name: str, files: list[str]) -> str:
+def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name: str, files: list[str],
+            dtype: str) -> str:
     m = cfg.moe
     shape = (f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads ({cfg.num_kv_heads} KV, head "
              f"dim {cfg.dim_per_head}), RoPE theta {cfg.rope_theta:g}, context {cfg.seq_len}, vocab {cfg.vocab_size}; "
              f"{m.num_experts} routed experts top-{m.num_experts_per_token} of width {m.expert_dim}, {m.router_score} "
              f"router" + (f", {m.num_shared_experts} shared expert(s) of width {m.shared_dim}" if m.num_shared_experts
                           else "") + (f", LatentMoE at width {m.latent_dim}" if m.latent_dim is not None else ""))
-    if layout == "mixtral":
-        use = ("Loads in Hugging Face `transformers` as `MixtralForCausalLM`:\n\n```python\nfrom transformers "
-               "import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")\n```\n")
+    if layout in HF_CLASSES:
+        use = (f"Loads in Hugging Face `transformers` as `{HF_CLASSES[layout]}`, the same function as moelab's "
+               "(dropless: every token reaches all of its experts):\n\n```python\nfrom transformers import "
+               "AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(\"THIS_FOLDER\")\n```\n")
+        if layout == "glm4_moe":
+            use += ("\nThe router's balancing bias is `mlp.gate.e_score_correction_bias`: added to the sigmoid scores "
+                    "to pick experts, never to weight them.\n")
     else:
-        use = (f"moelab's own layout (Mixtral cannot express this model: {why}). The tensors are moelab's params "
+        use = (f"moelab's own layout ({why}). The tensors are moelab's params "
                "flattened with `.` (per-layer arrays stacked along a leading layer axis, matrices [in, out]) and "
                "`router_bias` [layers, experts], the balancing bias the router adds to its scores to pick experts "
                "(never to weight them). Load it back with:\n\n```python\nfrom moelab.export.writer import "
                "load_export\ncfg, params, router_bias = load_export(\"THIS_FOLDER\")\n```\n\nand run "
                "`moelab.model.transformer.apply(params, tokens, cfg, router_bias)`.\n")
     return (f"# {run_name}\n\nA moelab Mixture-of-Experts model exported from the run `{run_name}` at step {step}.\n\n"
-            f"Architecture: {shape}. Pre-norm blocks (RMSNorm), SwiGLU experts, untied embedding and head.\n\n"
+            f"Architecture: {shape}. Pre-norm blocks (RMSNorm), SwiGLU experts, untied embedding and head. Weights "
+            f"in {dtype}" + (" (the router's float32)" if dtype != "float32" else "") + ".\n\n"
             f"{use}\nFiles: {', '.join(files)}, config.json, tokenizer.json.\n")
 
 
 def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
-               source: str | Path = "a moelab run") -> dict:
+               source: str | Path = "a moelab run", dtype: str = "float32") -> dict:
     """Write `run` (a `moelab.train.weights.RunWeights`) to the folder `out`; returns what was written.
 
     `source` is the run's folder; the README names it by its last part only (a shared export must not carry
-    the building machine's paths).
+    the building machine's paths). `dtype` is "float32" or "bfloat16".
 
     Returns:
-        {"out", "layout" ("mixtral" or "moelab"), "why" (None for Mixtral), "files", "bytes"}.
+        {"out", "layout" ("mixtral", "glm4_moe" or "moelab"), "hf_class" (None for moelab), "why" (why not a
+        transformers class; None for those), "dtype", "files", "bytes"}.
     """
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}.")
     out = Path(out)
     if out.exists() and not force:
         raise ConfigError(f"export target {out} already exists; pass --force to replace it, or another --out.")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export target {out} is a file; give a folder path as --out.")
     cfg = run.cfg.model
-    why = mixtral_mismatch(cfg, run.router_bias)
-    layout = "mixtral" if why is None else "moelab"
+    layout, why = choose_layout(cfg, run.router_bias)
+    eos_id, np_dtype = run.tokenizer.eos_id, DTYPES[dtype]
     if layout == "mixtral":
-        tensors, config = mixtral_tensors(run.params), mixtral_config(cfg, run.tokenizer.eos_id)
+        tensors, config = mixtral_tensors(run.params, np_dtype), mixtral_config(cfg, eos_id, dtype)
+    elif layout == "glm4_moe":
+        tensors = glm4_moe_tensors(run.params, np.asarray(run.router_bias), cfg, np_dtype)
+        config = glm4_moe_config(cfg, eos_id, dtype)
     else:
-        tensors = moelab_tensors(run.params, run.router_bias)
-        config = {"format": "moelab", "step": run.step, "eos_token_id": run.tokenizer.eos_id, "model": to_dict(cfg)}
+        tensors = moelab_tensors(run.params, run.router_bias, np_dtype)
+        config = {"format": "moelab", "step": run.step, "eos_token_id": eos_id, "dtype": dtype, "model": to_dict(cfg)}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -220,7 +246,8 @@ def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_byte
             run.tokenizer.save(staging / "tokenizer.json")
         else:
             (staging / "tokenizer.json").write_text(byte_tokenizer_json())
-        (staging / "README.md").write_text(_readme(cfg, layout, why, run.step, Path(source).resolve().name, files))
+        (staging / "README.md").write_text(_readme(cfg, layout, why, run.step, Path(source).resolve().name, files,
+                                                   dtype))
         staging.chmod(0o755)  # mkdtemp makes it private; an export is for sharing
         for path in staging.iterdir():
             path.chmod(0o644)
@@ -234,13 +261,21 @@ def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_byte
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return {"out": str(out), "layout": layout, "why": why, "files": [*files, "config.json", "tokenizer.json",
-                                                                     "README.md"],
+    return {"out": str(out), "layout": layout, "hf_class": HF_CLASSES.get(layout), "why": why, "dtype": dtype,
+            "files": [*files, "config.json", "tokenizer.json", "README.md"],
             "bytes": int(sum(a.nbytes for a in tensors.values()))}
 
 
 def load_export(folder: str | Path) -> tuple[ModelConfig, dict, np.ndarray]:
-    """A moelab-layout export back as (model config, params, router_bias); DataError if it is not one."""
+    """A moelab-layout export back as (model config, float32 params, router_bias); DataError if it is not one.
+
+    The config's `model.moe.dispatch` is "dropless", whatever the run trained with: an export is the
+    model's function, and under the training `capacity` dispatch a forward drops tokens whenever an
+    expert gets more than its share of a batch, which a short sequence (a prompt, a check's few
+    tokens) does often, so the logits would depend on which other tokens share the batch. Dropless is
+    also what transformers computes for the Mixtral and Glm4Moe layouts, so `moelab export --check`
+    compares against it.
+    """
     from safetensors.numpy import load_file
 
     folder = Path(folder)
@@ -266,5 +301,7 @@ def load_export(folder: str | Path) -> tuple[ModelConfig, dict, np.ndarray]:
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = value
-    return from_dict(config["model"], ModelConfig), params, flat["router_bias"]
+        node[leaf] = value.astype(np.float32)  # a bfloat16 export: moelab's params are float32
+    cfg = from_dict(config["model"], ModelConfig)
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))
+    return cfg, params, flat["router_bias"]
