@@ -179,3 +179,36 @@ def test_lab_run_publishes_the_runs_files_the_ledger_export_and_the_report(s3, t
     assert all(record_hash(r["prev_hash"], r["seq"], r["kind"], r["key"], r["created_at"], r["body"]) == r["hash"]
                for r in final)  # the export checks out without SQLite
     assert b"<html" in s3.cat(f"{BUCKET}/lab/tiny-pub/report/report.html")
+
+
+def test_lab_site_publishes_to_a_bucket_and_then_only_the_files_that_changed(s3, tmp_path, monkeypatch, capsys):
+    """Issue 30: `lab site --publish s3://...` over HTTP to the local server; a second publication copies
+    nothing, and after one more ledger event only that experiment's page, the index and the timeline."""
+    import yaml
+
+    ledger = tmp_path / "lab.sqlite"
+    for exp_id in ("pub-a", "pub-b"):
+        spec = {"id": exp_id, "title": f"Publish {exp_id}", "question": "Does it publish?", "owner": "tests",
+                "hypothesis": "It does.", "config": {"preset": "tiny"},
+                "prediction": {"metric": "eval/mean", "band": [None, 9.0], "decision_rule": "Below 9."}}
+        (tmp_path / f"{exp_id}.yaml").write_text(yaml.safe_dump(spec))
+        assert run_cli(["lab", "register", str(tmp_path / f"{exp_id}.yaml"), "--ledger", str(ledger)],
+                       monkeypatch, capsys)[0] == 0
+    site, url = tmp_path / "site", f"s3://{BUCKET}/site"
+
+    def publish():
+        code, out, err = run_cli(["lab", "site", "--root", str(tmp_path / "runs"), "--out", str(site), "--ledger",
+                                  str(ledger), "--publish", url, "--json"], monkeypatch, capsys)
+        assert code == 0, err
+        return json.loads(out)["published"]
+
+    assert sorted(publish()) == ["exp/pub-a.html", "exp/pub-b.html", "index.html", "timeline.html"]
+    s3.invalidate_cache()
+    assert s3.cat(f"{BUCKET}/site/index.html") == (site / "index.html").read_bytes()
+    assert json.loads(s3.cat(f"{BUCKET}/site/site.json"))["files"]["index.html"]
+    assert publish() == []
+    assert run_cli(["lab", "abandon", "pub-b", "--reason", "superseded by pub-a", "--ledger", str(ledger)],
+                   monkeypatch, capsys)[0] == 0
+    assert sorted(publish()) == ["exp/pub-b.html", "index.html", "timeline.html"]
+    s3.invalidate_cache()
+    assert b"superseded by pub-a" in s3.cat(f"{BUCKET}/site/exp/pub-b.html")

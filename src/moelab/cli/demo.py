@@ -1,6 +1,6 @@
 """`moelab demo`: the whole open-lab loop on the embedded data (`lab.demo`), as `make demo` runs it.
 
-    moelab demo                                      register, ladder rungs, fit, main run, report
+    moelab demo                                      register, ladder rungs, fit, main run, report, site
     moelab demo --root runs/demo2 --spec experiments/demo.yaml
 """
 
@@ -40,6 +40,7 @@ def demo(
     else:
         err_console.print(f"[dim]{exp_id} is already registered in {ledger.path}; reusing it.[/]")
     result = run_demo(ledger, exp_id, root, spec, progress=training_progress)
+    err_console.print(f"Lab site: {result.site} (every experiment on {ledger.path}; reload it while a run goes)")
     show_outcomes(exp_id, result.outcomes)  # exit 1 (or 75) unless every step succeeded
     out_console.print(f"Hypothesis verdict: [bold]{result.verdict.upper()}[/] ({result.metric} = {result.value})")
     out_console.print(f"Report: {result.report}")

@@ -4,7 +4,8 @@
     result = run_demo(ledger, exp_id, "runs/demo", "experiments/demo.yaml", progress=training_progress)
 
 The ledger is ROOT/ledger.sqlite; a spec whose id is already on it is reused, so a rerun reuses every
-finished step. The report and the verdict come only once every step has succeeded.
+finished step. The report and the verdict come only once every step has succeeded. The lab's static site
+(`lab.site`) is kept in ROOT/site as the demo runs: reload ROOT/site/index.html to watch it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = ["DemoResult", "open_demo", "run_demo"]
 @dataclass(frozen=True)
 class DemoResult:
     outcomes: list[StepOutcome]
+    site: Path  # the lab site's index.html, brought up to date as the steps ran
     report: Path | None = None  # report.html; None unless every step succeeded (so are the fields below)
     verdict: str | None = None  # the prediction's verdict: report.CONFIRMED, REFUTED or INCONCLUSIVE
     metric: str | None = None  # the predicted metric, e.g. eval/mean
@@ -47,11 +49,19 @@ def run_demo(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Pat
     succeeded, write its report (HTML + Markdown) and read the prediction's verdict."""
     from moelab.lab.report import experiment_verdict, write_report  # matplotlib: only once there is a report
 
-    outcomes = run_experiment(ledger, exp_id, root, spec_path=spec_path, progress=progress)
+    from moelab.lab.site import INDEX, build_site
+
+    site = Path(root) / "site"
+
+    def rebuild() -> None:
+        build_site(ledger, root, site, only=exp_id)
+
+    rebuild()
+    outcomes = run_experiment(ledger, exp_id, root, spec_path=spec_path, progress=progress, on_change=rebuild)
     if any(o.status != SUCCESS for o in outcomes):
-        return DemoResult(outcomes)
+        return DemoResult(outcomes, site / INDEX)
     report = write_report(ledger, exp_id)
     experiment = load_experiment(ledger, exp_id)
     verdict, value = experiment_verdict(experiment)
     metric = experiment.spec.prediction.metric
-    return DemoResult(outcomes, report, verdict, metric, value)
+    return DemoResult(outcomes, site / INDEX, report, verdict, metric, value)
