@@ -114,6 +114,18 @@ def test_moelab_layout_round_trips_with_identical_logits_and_the_router_bias(tra
     assert "load_export" in (tmp_path / "tiny" / "README.md").read_text()
 
 
+def test_a_bfloat16_moelab_layout_export_reads_back_as_the_params_check_compares_with(trained, tmp_path):
+    """`check.exported_params` (what --check runs moelab on) must be what the writer stores: bfloat16-rounded
+    weights, the router's float32."""
+    writer.export_run(trained, tmp_path / "bf16", dtype="bfloat16")
+    _, params, bias = writer.load_export(tmp_path / "bf16")
+    expected = check.exported_params(trained.params, "bfloat16")
+    assert jax.tree.structure(params) == jax.tree.structure(expected)
+    jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, expected))
+    np.testing.assert_array_equal(bias, trained.router_bias)
+    assert not np.array_equal(params["layers"]["w_q"], trained.params["layers"]["w_q"])  # it was rounded
+
+
 def test_the_exported_byte_tokenizer_gives_moelabs_ids(tmp_path):
     path = tmp_path / "tokenizer.json"
     path.write_text(writer.byte_tokenizer_json())

@@ -22,10 +22,11 @@ Three layouts, picked by what the model is (`choose_layout`), the first that exp
   and config.json `{"format": "moelab", "model": {ModelConfig fields}}`; `load_export` reads it back.
 
 Weights are float32, or bfloat16 with `dtype="bfloat16"` (the router's weights and bias stay float32: moelab
-routes in float32, since a rounded score flips near-tied top-k choices). They go in `model.safetensors`, or above `max_shard_bytes` in `model-0000i-of-0000n.safetensors`
-shards with `model.safetensors.index.json` (the Hugging Face index). The folder is written under a
-temporary name beside the target and renamed into place when complete, so a failed or interrupted
-export never leaves a half-written folder; an existing target is refused unless `force`.
+routes in float32, since a rounded score flips near-tied top-k choices). They go in `model.safetensors`, or
+above `max_shard_bytes` in `model-0000i-of-0000n.safetensors` shards with `model.safetensors.index.json`
+(the Hugging Face index). The folder is written under a temporary name beside the target and renamed into
+place when complete, so a failed or interrupted export never leaves a half-written folder; an existing
+target is refused unless `force`. `moelab.export.check` compares an export with transformers.
 """
 
 from __future__ import annotations
