@@ -80,6 +80,8 @@ def test_sigmoid_routed_models_export_as_glm4_moe_with_moelabs_dropless_logits(t
     ours = check.moelab_logits(run, tokens)
     # Same function in float32, summed in other orders: measured ~3e-7; a wrong weight or choice is order 0.1-1.
     assert np.max(np.abs(_transformers_logits(tmp_path / "glm", tokens) - ours)) <= check.TOLERANCE
+    unbiased = check.moelab_logits(run._replace(router_bias=jnp.zeros_like(run.router_bias)), tokens)
+    assert np.max(np.abs(unbiased - ours)) > 0.01  # the bias changes choices: the match above says it travelled
 
 
 def test_a_latent_model_exports_in_moelabs_layout_naming_what_transformers_lacks():
@@ -227,3 +229,17 @@ def test_export_refuses_an_unknown_dtype(trained_tiny_run, tmp_path, monkeypatch
     code, out, err = run_cli(["export", str(trained_tiny_run), "--out", str(tmp_path / "x"), "--dtype", "float16"],
                              monkeypatch, capsys)
     assert code == 2 and "--dtype float16 is not supported: use one of float32, bfloat16" in err
+
+
+def test_a_failed_check_exits_1_saying_by_how_much(trained_default_run, tmp_path, monkeypatch, capsys):
+    def far_off(folder, run, dtype):  # what a wrong weight gives; the real comparison is tested above
+        return {"hf_class": "Glm4MoeForCausalLM", "dtype": dtype, "tokens": [2, 128], "max_abs_diff": 0.5,
+                "max_abs_logit": 3.0, "tolerance": check.TOLERANCE, "passed": False,
+                "greedy": {"prompt": "def ", "new_tokens": 32, "moelab": [1, 2], "transformers": [1, 3], "same": False}}
+
+    monkeypatch.setattr(check, "check_export", far_off)
+    code, out, err = run_cli(["export", str(trained_default_run), "--out", str(tmp_path / "x"), "--check"],
+                             monkeypatch, capsys)
+    assert code == 1
+    assert "max |logits difference| 5.00e-01" in out and "differs (moelab [1, 2], transformers [1, 3])" in out
+    assert "Check failed" in err and "differ from moelab's by 0.5, more than 0.0001" in err
