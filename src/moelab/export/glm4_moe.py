@@ -48,9 +48,10 @@ def glm4_moe_mismatch(cfg: ModelConfig) -> str | None:
     """Why `Glm4MoeForCausalLM` cannot express this model exactly (naming the option), or None when it can."""
     m = cfg.moe
     if m.latent_dim is not None:
-        return (f"model.moe.latent_dim={m.latent_dim}: no transformers architecture carries LatentMoE's projections "
-                "with the RMSNorm between them, and the norm keeps them from folding into the experts; train with "
-                "model.moe.latent_dim: null for a model transformers loads")
+        return (f"model.moe.latent_dim={m.latent_dim}: carrying LatentMoE takes a down-projection, an RMSNorm and an "
+                "up-projection around SwiGLU experts, which no transformers class has (NemotronH has the projections "
+                "but no norm and non-gated experts), and the norm keeps them from folding into the experts; train "
+                "with model.moe.latent_dim: null for a model transformers loads")
     if m.router_score != "sigmoid":
         return f"model.moe.router_score={m.router_score!r} (Glm4Moe, like DeepSeek-V3, scores with sigmoid)"
     if m.num_experts < 2:
