@@ -40,7 +40,7 @@ import pytest  # noqa: E402  (after the environment above, which must precede an
 # longer exists only costs its place.
 HEAVY_FIRST = ("test_multiprocess.py", "test_ray_cluster.py", "test_ladder_forecast.py", "test_dispatch.py",
                "test_router_balance.py", "test_checkpoint.py", "test_faults.py", "test_parallel.py",
-               "test_bundle.py", "test_generate.py", "test_monitor.py", "test_model.py", "test_report.py",
+               "test_bundle.py", "test_site.py", "test_generate.py", "test_monitor.py", "test_model.py", "test_report.py",
                "test_export.py", "test_arithmetic_task.py", "test_train.py", "test_object_storage.py",
                "test_executor.py", "test_multihost_writes.py", "test_tracking.py", "test_gpu_suite.py",
                "test_grouped_matmul.py", "test_ladder_fit.py", "test_evals.py", "test_cli.py")
