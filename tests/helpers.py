@@ -106,7 +106,12 @@ def relative_error(a, b) -> float:
 
 # A short checkpointed CLI run, and what "ends the same" means for two runs of it: the fault tests
 # (test_faults.py) and the checkpoint tests compare an interrupted run with an uninterrupted one.
-TIMING_KEYS = {"tokens_per_s"}  # wall-clock figures differ between runs; everything else must not
+TIMING_KEYS = {"tokens_per_s", "compile_s"}  # wall-clock figures differ between runs; everything else must not
+
+
+def without_timing(record: dict) -> dict:
+    """`record` less its wall-clock figures: what two runs of the same recipe must agree on."""
+    return {k: v for k, v in record.items() if k not in TIMING_KEYS}
 
 
 def train_args(out, steps: int = 24) -> list[str]:
@@ -135,8 +140,7 @@ def final_state(out, steps: int):
 def metric_records(out) -> list[dict]:
     import json
 
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS}
-            for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [without_timing(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_run(reference, other, steps: int) -> None:

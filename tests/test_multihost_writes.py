@@ -23,7 +23,8 @@ from moelab.parallel import mesh as mesh_lib
 from moelab.train.checkpoint import MANIFEST
 from moelab.train.loop import Hooks, train
 
-TIMING_KEYS = {"tokens_per_s"}  # wall-clock figures differ between runs; everything else must not
+from helpers import without_timing
+
 RUN_FILES = {"config.yaml", "metrics.jsonl", "incidents.jsonl", "mixture_log.jsonl", "samples.jsonl",
              "router_load.jsonl", "summary.json", "mirror/metrics.jsonl", "mirror/incidents.jsonl",
              "mirror/mixture_log.jsonl", "mirror/samples.jsonl", "ledger.sqlite"}
@@ -54,10 +55,6 @@ class RecordingSink:
 def _cfg(steps: int = 8):
     return override(presets.get("tiny"), {"train.steps": steps, "train.eval_every": 4, "train.log_every": 2,
                                           "train.eval_batches": 1, "checkpoint.every": 4})
-
-
-def _without_timing(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k not in TIMING_KEYS}
 
 
 def _run(out, writer: bool, steps: int = 8) -> dict:
@@ -121,15 +118,15 @@ def test_process_1_trains_the_same_run_as_process_0(runs):
     """Same losses, evals and summary (timing aside): the non-writer skips no step, eval or decode."""
     writer, other = runs["fresh"][0], runs["fresh"][1]
     assert [r["step"] for r in writer["records"]] == [2, 4, 6, 8]
-    assert [_without_timing(r) for r in other["records"]] == [_without_timing(r) for r in writer["records"]]
-    assert _without_timing(other["summary"]) == _without_timing(writer["summary"])
+    assert [without_timing(r) for r in other["records"]] == [without_timing(r) for r in writer["records"]]
+    assert without_timing(other["summary"]) == without_timing(writer["summary"])
 
 
 def test_a_resume_on_process_1_leaves_the_run_files_untouched_and_returns_process_0s_summary(runs):
     assert _files(runs["resumed_dirs"][1]) == runs["before_resume"]  # no truncated log, no resumes.jsonl
     writer, other = runs["resumed"][0]["summary"], runs["resumed"][1]["summary"]
     assert writer["resumed_from"] == 8 and writer["step"] == 10
-    assert _without_timing(other) == _without_timing(writer)
+    assert without_timing(other) == without_timing(writer)
     assert json.loads((runs["resumed_dirs"][0] / "resumes.jsonl").read_text())["step"] == 8
 
 
