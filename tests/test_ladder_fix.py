@@ -56,9 +56,21 @@ def test_fix_drops_short_rungs_while_three_sizes_remain_and_refuses_below_two():
     wide = replace(recipe, shapes=((32, 2), (64, 2), (80, 2), (96, 2)), rung_batch_size=8)
     fixed, changes = fix_recipe(wide, PLENTY)
     assert fixed.shapes == ((64, 2), (80, 2), (96, 2)) and "dropped" in changes[0].why
+    with pytest.raises(ConfigError, match="cannot be fixed"):  # one width at two depths: one size at the target's
+        fix_recipe(replace(wide, shapes=((64, 2), (64, 3))), PLENTY)
+
+
+def test_fix_keeps_regrouped_rungs_it_cannot_move_or_drop_and_says_so():
+    """ladder-cpu, the tuned recipe: d48 and d80 regroup its 2:1 heads (3:1, 5:1) and no width within 25% keeps
+    the grouping, but dropping both would leave one size, so they stay, said; the widths that can move still do."""
+    tuned = load_recipe(EXPERIMENTS / "ladder-cpu.yaml")
+    fixed, changes = fix_recipe(tuned, PLENTY)
+    assert fixed.shapes == tuned.shapes and [c.field for c in changes] == ["rungs"]
+    assert changes[0].why.startswith("not fixed: d48, d80") and "would leave 1 size(s)" in changes[0].why
     fine = load_recipe(EXPERIMENTS / "ladder-untuned-fine32.yaml")  # head dim 8, 2:1: widths of 16
-    with pytest.raises(ConfigError, match="cannot be fixed"):
-        fix_recipe(replace(fine, shapes=((24, 4), (40, 4))), PLENTY)  # d24 dropped (d16, d32 too far), d40 -> d48
+    fixed, changes = fix_recipe(replace(fine, shapes=((24, 4), (40, 4))), PLENTY)  # d16 and d32 are too far from d24
+    assert fixed.shapes == ((24, 4), (48, 4)) and "d40 -> d48" in changes[0].why
+    assert changes[1].why.startswith("not fixed: d24") and changes[1].before == changes[1].after
 
 
 def test_rung_flags_name_every_check_a_rung_fails():

@@ -110,11 +110,12 @@ def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
     tmp.write_text(text)
     tmp.replace(out)
     if not quiet:
+        kept = [c for c in changes if c.before == c.after]  # what a rule could not fix: said, left as it is
         for c in changes:
-            out_console.print(f"[bold]{escape(c.field)}[/]: {escape(str(c.before))} -> {escape(str(c.after))}\n"
-                              f"  {escape(c.why)}.")
-        out_console.print(f"Wrote {out} ({len(changes)} change(s)); its plan:" if changes else
-                          f"Nothing to fix; wrote {out} unchanged. Its plan:")
+            what = "kept as it is" if c in kept else f"{escape(str(c.before))} -> {escape(str(c.after))}"
+            out_console.print(f"[bold]{escape(c.field)}[/]: {what}\n  {escape(c.why)}.")
+        out_console.print(f"Wrote {out} ({len(changes) - len(kept)} change(s), {len(kept)} warning(s) not fixed); "
+                          "its plan:" if changes else f"Nothing to fix; wrote {out} unchanged. Its plan:")
     return fixed
 
 
