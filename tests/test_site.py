@@ -17,6 +17,7 @@ import pytest
 import yaml
 from helpers import run_cli_redirected
 
+from moelab.errors import DataError
 from moelab.lab.bundle import open_bundle, verify_bundle
 from moelab.lab.ledger import append, open_ledger, records
 from moelab.lab.site import INDEX, SITE_JSON, TIMELINE, build_site, publish_site
@@ -183,6 +184,24 @@ def test_a_broken_chain_is_refused_with_exit_2_naming_the_record_and_nothing_is_
                        where)
     assert code == 2 and f"fails its hash check at record {seq}" in " ".join(err.split()), err
     assert not (tmp_path / "site").exists()
+
+
+def test_a_file_as_out_and_a_publish_url_that_cannot_be_reached_exit_2_with_the_fix(lab, tmp_path, monkeypatch):
+    """Both were tracebacks: mkdir under a file, and an fsspec backend that connects as it is built (ftp://)."""
+    import fsspec.core
+
+    where, ledger, site, _, mp = lab
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    code, _, err = cli(mp, ["lab", "site", "--root", "runs", "--out", str(taken), "--ledger", str(ledger)], where)
+    assert code == 2 and "is a file; the site is a folder" in " ".join(err.split()) and taken.read_text() == "mine"
+
+    def unreachable(url, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", unreachable)
+    with pytest.raises(DataError, match="connecting to ftp://lab.example/site/site.json failed: unreachable"):
+        publish_site(site, "ftp://lab.example/site")
 
 
 def test_a_page_write_is_atomic_a_failed_rename_leaves_the_old_page(lab, tmp_path, monkeypatch):

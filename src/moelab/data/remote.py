@@ -44,6 +44,9 @@ def _filesystem(url: str) -> tuple[Any, str]:
     except (ImportError, ValueError) as e:
         raise DataError(f"{url}: no fsspec backend for this URL ({e}); install it (s3fs for s3://, gcsfs for "
                         "gs://) or use a local path.") from None
+    except Exception as e:  # a backend that connects as it is built (ftp://, sftp://): no such host, refused login
+        with storage_errors(url, "connecting to"):
+            raise e
 
 
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId", "SignatureDoesNotMatch",

@@ -532,6 +532,8 @@ def build_site(ledger: Ledger, root: str | Path, out: str | Path, only: str | No
     live rebuild after an eval needs. A file whose content is unchanged is not rewritten.
     """
     root, out = Path(root), Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; the site is a folder. Pass a folder (new or a site built before).")
     check = verify(ledger)
     if not check.ok:
         raise ConfigError(f"the ledger {ledger.path} fails its hash check at record {check.broken_seq}: "
