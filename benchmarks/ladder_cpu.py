@@ -31,59 +31,22 @@ from pathlib import Path
 import numpy as np
 
 from moelab import accounting
-from moelab.errors import DataError
-from moelab.ladder.task import TaskPoint, predict_task, read_task_points
 from moelab.ladder.predict import load_on_track, load_prediction, read_curves, score
 from moelab.ladder.rungs import load_recipe
-from moelab.ladder.run import curve_rows, plan_ladder, rung_dir, run_ladder, write_csv
+from moelab.ladder.run import TASK_POINTS, curve_rows, plan_ladder, run_ladder, write_csv
+from moelab.ladder.task_points import score_runs, with_task_checkpoints
 from moelab.train.loop import train
 from moelab.train.outputs import SUMMARY
 
-TASK_CHECKPOINTS = 4  # checkpoints kept per run with --task: each quarter of its steps
-TASK_PROBLEMS = 512  # held-out problems scored per checkpoint
-
-
-def with_task_checkpoints(cfg):
-    """`cfg` saving (and keeping) a checkpoint at each quarter of its steps, for the task's per-checkpoint scores."""
-    every = max(1, cfg.train.steps // TASK_CHECKPOINTS)
-    return replace(cfg, checkpoint=replace(cfg.checkpoint, every=every, keep_every=every))
-
-
-def task_points(runs, cache: Path) -> list[TaskPoint]:
-    """Every checkpoint of every (name, config, run dir) on the arithmetic task, as TaskPoints; cached in `cache`
-    (a TASK_POINTS.csv), so a rerun scores only runs it has not seen."""
-    from moelab.evals.arithmetic import heldout_problems, score_problems
-    from moelab.train.weights import checkpoint_steps, load_run
-
-    points = read_task_points(cache) if cache.is_file() else []
-    seen = {p.run for p in points}
-    for name, cfg, run_dir in runs:
-        if name in seen:
-            continue
-        problems = heldout_problems(cfg.data, TASK_PROBLEMS)
-        steps = checkpoint_steps(run_dir)
-        for step in steps:
-            score = score_problems(load_run(run_dir, step=step), problems)
-            compute = float(accounting.flops_per_token(cfg.model)) * step * cfg.train.batch_size * cfg.model.seq_len
-            points.append(TaskPoint(name, compute, score.task_loss, score.accuracy, step == steps[-1]))
-        write_csv(cache, [p._asdict() for p in points])
-    return points
-
-
-def task_result(out: Path, rungs, targets) -> dict:
-    """The target's final task accuracy predicted from the rungs' points against the seeds' mean."""
-    points = task_points([*rungs, *targets], out / "task_points.csv")
-    names = {name for name, _, _ in targets}
-    target_cfg = targets[0][1]
-    compute = float(accounting.flops_per_token(target_cfg.model)) * accounting.train_tokens(target_cfg)
-    pred = predict_task([p for p in points if p.run not in names], compute, problems=TASK_PROBLEMS)
-    actual = statistics.fmean(p.accuracy for p in points if p.run in names and p.final)
-    return {"task_predicted": pred.accuracy, "task_lo95": pred.lo95, "task_hi95": pred.hi95,
-            "task_actual": actual, "task_abs_error": abs(pred.accuracy - actual),
-            "task_inside_band": pred.lo95 <= actual <= pred.hi95,
-            "task_loss_predicted": pred.task_loss,
-            "task_loss_actual": statistics.fmean(p.task_loss for p in points if p.run in names and p.final),
-            "task_law": pred.law._asdict(), "task_notes": list(pred.notes), "task_problems": TASK_PROBLEMS}
+def task_result(predicted: dict, out: Path, targets) -> dict:
+    """`run_ladder(task=True)`'s prediction (made before any target trained) against the target seeds' mean."""
+    if "error" in predicted:  # e.g. two rung sizes: the task law needs three computes
+        return {"task_error": predicted["error"]}
+    finals = [p for p in score_runs(targets, out / TASK_POINTS) if p.final]
+    actual = statistics.fmean(p.accuracy for p in finals)
+    return {**predicted, "task_actual": actual, "task_abs_error": abs(predicted["task_predicted"] - actual),
+            "task_inside_band": predicted["task_lo95"] <= actual <= predicted["task_hi95"],
+            "task_loss_actual": statistics.fmean(p.task_loss for p in finals), "task_problems": predicted["problems"]}
 
 
 def seed_dir(out: Path, seed: int) -> Path:
@@ -147,7 +110,7 @@ def main() -> None:
     recipe, out = load_recipe(args.recipe), Path(args.out)
     start = time.perf_counter()
     prepare = with_task_checkpoints if args.task else (lambda cfg: cfg)
-    fit = run_ladder(recipe, out, lambda cfg, run_dir: train(prepare(cfg), run_dir))
+    fit = run_ladder(recipe, out, train, task=args.task)
     ladder_s = time.perf_counter() - start
     _, target = plan_ladder(recipe)
     seeds, targets = {}, []
@@ -193,11 +156,7 @@ def main() -> None:
         "seeds": seeds,
     }
     if args.task:
-        try:
-            result.update(task_result(out, [(cfg.name, cfg, rung_dir(out, cfg)) for cfg in plan_ladder(recipe)[0]],
-                                      targets))
-        except DataError as e:  # e.g. two rung sizes: the task law needs three computes
-            result["task_error"] = str(e)
+        result.update(task_result(fit["task"], out, targets))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

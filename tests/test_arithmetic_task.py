@@ -94,3 +94,25 @@ def test_eval_arithmetic_scores_every_checkpoint_and_refuses_bad_flags(trained_t
                           (["--arithmetic", "--tasks", "x"], "apart from --data and --tasks")]:
         code, out, err = run_cli(["eval", str(trained_tiny_run), *args], monkeypatch, capsys)
         assert code == 2 and out == "" and message in err, (args, err)
+
+
+def test_a_ladders_task_points_are_each_checkpoints_score_cached_by_run(trained_tiny_run, weights, tmp_path, monkeypatch):
+    """`ladder.task_points.score_runs`: one point per kept checkpoint at its training FLOPs, the last one final,
+    the same score `score_problems` gives; a second call scores only the run the cache has not seen."""
+    from moelab.ladder import task_points
+    from moelab.train.weights import checkpoint_steps
+
+    cfg, cache = weights.cfg, tmp_path / "task_points.csv"
+    steps = checkpoint_steps(trained_tiny_run)
+    points = task_points.score_runs([("a", cfg, trained_tiny_run)], cache, problems=8)
+    assert [p.compute for p in points] == [task_points.checkpoint_compute(cfg, s) for s in steps]
+    assert [p.final for p in points] == [s == steps[-1] for s in steps]
+    score = score_problems(weights, heldout_problems(cfg.data, 8))
+    assert (points[-1].accuracy, points[-1].task_loss) == pytest.approx((score.accuracy, score.task_loss))
+    import moelab.evals.arithmetic as arithmetic
+
+    scored = []
+    monkeypatch.setattr(arithmetic, "score_problems", lambda run, problems: scored.append(1) or score)
+    both = task_points.score_runs([("a", cfg, trained_tiny_run), ("b", cfg, trained_tiny_run)], cache, problems=8)
+    assert both[:len(points)] == points and len(scored) == len(steps) and {p.run for p in both} == {"a", "b"}
+    assert task_points.with_task_checkpoints(cfg).checkpoint.keep_every == max(1, cfg.train.steps // 4)

@@ -113,7 +113,7 @@ def test_ladder_fit_command_bad_csv_exits_2(tmp_path, monkeypatch, capsys):
 def test_ladder_run_trains_rungs_fits_and_predicts_the_target(tmp_path, monkeypatch, capsys):
     """Two tiny rungs end to end: curves.csv has every eval, prediction.csv every target eval with bands.
 
-    `slow` (issue 27): two rungs trained and fitted, ~50-70 s on 2 cores. The fast suite keeps `ladder plan`,
+    `slow` (issue 27): two rungs trained and fitted, ~60-80 s on 2 cores. The fast suite keeps `ladder plan`,
     the rung rules above and below, and the fit and its bands on synthetic curves (test_ladder_fit)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
@@ -136,10 +136,16 @@ def test_ladder_run_trains_rungs_fits_and_predicts_the_target(tmp_path, monkeypa
         track.check_run(target)
     with pytest.warns(UserWarning, match="prediction.csv predicts 60 steps, not 90: its band is for another run"):
         track.check_run(override(target, {"train.steps": 90}))
-    # A second run reuses the finished rungs.
+    # A second run reuses the finished rungs; with --task it scores their checkpoints (one each: they were
+    # trained without --task) and, with two computes, says why it cannot place the task law.
     mtime = (out / "rungs" / "ladder-d16-l1" / "summary.json").stat().st_mtime
-    run_cli(["ladder", "run", str(recipe), "--out", str(out), "--json"], monkeypatch, capsys)
+    code, stdout, err = run_cli(["ladder", "run", str(recipe), "--out", str(out), "--task"], monkeypatch, capsys)
+    assert code == 0, err
     assert (out / "rungs" / "ladder-d16-l1" / "summary.json").stat().st_mtime == mtime
+    points = list(csv.DictReader(open(out / "task_points.csv")))
+    assert [(r["run"], r["final"]) for r in points] == [("ladder-d16-l1", "True"), ("ladder-d32-l1", "True")]
+    assert "no task prediction" in err and "three or more computes" in " ".join(err.split())
+    assert "error" in json.loads((out / "task_prediction.json").read_text())
     assert len(rungs_of(LadderRecipe(presets.get("tiny"), ((16, 1), (32, 1)), 8))) == 2
 
 

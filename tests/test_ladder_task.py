@@ -1,7 +1,6 @@
 """The ladder's task prediction (`moelab.ladder.task`, `moelab ladder task`) on synthetic rungs drawn from a
 known two-step law: it recovers the target's accuracy inside its band, and says when it cannot."""
 
-import csv
 import json
 
 import numpy as np
@@ -9,7 +8,8 @@ import pytest
 
 from helpers import run_cli
 from moelab.errors import DataError
-from moelab.ladder.task import COLUMNS, TaskLaw, TaskPoint, fit_task_law, predict_task, read_task_points
+from moelab.ladder.task import (TaskLaw, TaskPoint, fit_task_law, predict_task, read_task_points,
+                               write_task_points)
 
 TRUE = TaskLaw(E=0.8, A=2.0, alpha=0.35, c_min=1e12, k=6.0, l_half=1.6)
 RUNGS = (1e12, 2.5e12, 6e12, 1.5e13)
@@ -67,25 +67,40 @@ def test_flat_accuracy_is_named_and_too_few_computes_refused():
         fit_task_law(two)
 
 
-def _write(path, points):
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(COLUMNS)
-        writer.writerows([(p.run, p.compute, p.task_loss, p.accuracy, int(p.final)) for p in points])
-
-
 def test_ladder_task_prints_the_prediction_and_names_a_bad_row(tmp_path, monkeypatch, capsys):
     path = tmp_path / "task_points.csv"
-    _write(path, _points(1))
-    assert read_task_points(path) == [p._replace(compute=float(p.compute)) for p in _points(1)]
+    write_task_points(path, _points(1))
+    assert read_task_points(path) == _points(1)  # exact: floats are written as repr
     code, out, err = run_cli(["ladder", "task", str(path), "--target-compute", str(TARGET), "--bootstrap", "50",
                               "--json"], monkeypatch, capsys)
     assert code == 0, err
     result = json.loads(out)
-    assert result["lo95"] <= result["task_predicted"] <= result["hi95"] and result["runs"] == 8
+    assert result["task_lo95"] <= result["task_predicted"] <= result["task_hi95"] and result["runs"] == 8
     path.write_text(path.read_text().replace(",1.0,", ",2.0,", 1) + "d9,big,1.0,0.5,1\n")
     code, out, err = run_cli(["ladder", "task", str(path), "--target-compute", "1e15"], monkeypatch, capsys)
     assert code == 2 and out == "" and "line " in err and "Traceback" not in err
     code, _, err = run_cli(["ladder", "task", str(path), "--target-compute", "1e15", "--bootstrap", "5"],
                            monkeypatch, capsys)
     assert code == 2 and "--bootstrap 5" in err
+
+
+def test_a_ladders_task_prediction_is_written_beside_its_points_or_says_why_not(tmp_path, monkeypatch):
+    """`run_ladder(task=True)`'s last step, on scored points handed in: the prediction at the target's compute
+    (steps x batch x seq_len x FLOPs per token) in task_prediction.json; two computes give its reason instead."""
+    from moelab import accounting, presets
+    from moelab.ladder import run as run_lib
+
+    target = presets.resolve("tiny", {"train.steps": 100})
+    compute = float(accounting.flops_per_token(target.model)) * accounting.train_tokens(target)
+    scale = TARGET / compute  # the synthetic law's computes, moved so the target sits where TARGET does
+    points = [p._replace(compute=p.compute / scale) for p in _points(2)]
+    monkeypatch.setattr(run_lib, "score_runs", lambda runs, cache: points)
+    result = run_lib.predict_ladder_task([], target, tmp_path)
+    assert result == json.loads((tmp_path / run_lib.TASK_PREDICTION).read_text())
+    assert result["target_compute"] == compute and result["problems"] == run_lib.TASK_PROBLEMS
+    expected = predict_task(points, compute, problems=run_lib.TASK_PROBLEMS)
+    assert result["task_predicted"] == pytest.approx(expected.accuracy)
+    assert result["task_lo95"] <= result["task_predicted"] <= result["task_hi95"]
+    monkeypatch.setattr(run_lib, "score_runs", lambda runs, cache: [p for p in points if p.run[:2] in ("d0", "d1")])
+    result = run_lib.predict_ladder_task([], target, tmp_path)
+    assert set(result) == {"error"} and "three or more computes" in result["error"]

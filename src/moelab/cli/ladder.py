@@ -138,20 +138,25 @@ def _warn_recipe(rungs, target, read_data: bool = True) -> None:
 def run(
     recipe: Annotated[Path, typer.Argument(help="A ladder recipe YAML.", show_default=False)],
     out: Annotated[Path, typer.Option(help="Output directory (rungs, curves, prediction).")] = Path("runs/ladder"),
+    task: Annotated[bool, typer.Option("--task", help="Also predict the target's final accuracy on the arithmetic "
+                                       "task: each rung keeps a checkpoint per quarter of its steps, each is scored "
+                                       "(task_points.csv), and the prediction goes to task_prediction.json.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
     from moelab.ladder.predict import sidecar_path
-    from moelab.ladder.run import plan_ladder, run_ladder
+    from moelab.ladder.run import TASK_PREDICTION, plan_ladder, run_ladder
 
     ladder = _recipe(recipe, None)
     rungs, target = plan_ladder(ladder)
     _warn_recipe(rungs, target)
-    summary = run_ladder(ladder, out, run_training, progress=_bootstrap_bar)
+    summary = run_ladder(ladder, out, run_training, progress=_bootstrap_bar, task=task)
     if json_out:
         print(json.dumps(summary))
         return
     _print_fit(summary)
+    if task:
+        _print_task(summary["task"], out / TASK_PREDICTION)
     pred = out / "prediction.csv"
     out_console.print(f"Prediction for the target in {pred}; fit summary in {sidecar_path(pred)}.")
     out_console.print(f"Train the target against it: moelab train {out / 'target.yaml'} --predicted "
@@ -288,15 +293,21 @@ def task(
     if problems is not None and problems < 1:
         raise ConfigError(f"--problems {problems} is invalid: the number of problems scored, an integer >= 1.")
     pred = predict_task(read_task_points(points), target_compute, num_bootstrap=bootstrap, problems=problems)
-    result = {"task_predicted": pred.accuracy, "lo95": pred.lo95, "hi95": pred.hi95,
-              "task_loss_predicted": pred.task_loss, "task_loss_lo95": pred.task_loss_lo95,
-              "task_loss_hi95": pred.task_loss_hi95, "law": pred.law._asdict(), "runs": pred.runs,
-              "notes": list(pred.notes)}
     if json_out:
-        print(json.dumps(result))
+        print(json.dumps({**pred.as_json(), "target_compute": target_compute}))
         return
-    out_console.print(f"target at {target_compute:.3g} FLOPs: accuracy {pred.accuracy:.3f} "
-                      f"[{pred.lo95:.3f}, {pred.hi95:.3f}], task loss {pred.task_loss:.4f} "
-                      f"[{pred.task_loss_lo95:.4f}, {pred.task_loss_hi95:.4f}] (95%, {pred.runs} rung runs)")
-    for note in pred.notes:
+    _print_task({**pred.as_json(), "target_compute": target_compute})
+
+
+def _print_task(result: dict, saved: Path | None = None) -> None:
+    """One line for a task prediction (`TaskPrediction.as_json`), its notes; or why the rungs could not place it."""
+    if "error" in result:
+        err_console.print(f"Warning: no task prediction: {escape(result['error'])}")
+        return
+    out_console.print(f"task: the target at {result['target_compute']:.3g} FLOPs scores accuracy "
+                      f"{result['task_predicted']:.3f} [{result['task_lo95']:.3f}, {result['task_hi95']:.3f}], task "
+                      f"loss {result['task_loss_predicted']:.4f} [{result['task_loss_lo95']:.4f}, "
+                      f"{result['task_loss_hi95']:.4f}] (95%, {result['runs']} rung runs)"
+                      + (f"; in {saved}" if saved else ""))
+    for note in result["notes"]:
         err_console.print(f"note: {escape(note)}")

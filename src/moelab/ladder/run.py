@@ -14,6 +14,8 @@ Layout of `--out`:
     target.yaml        the target's run config, as predicted: `moelab train target.yaml --predicted ...`
     prediction.csv     target rows + loss_pred, lo80, hi80, lo95, hi95 (PRED.csv)
     prediction.json    its sidecar: the fitted law, its noise, the leave-largest-out self-check, notes
+    task_points.csv    with --task: every kept rung checkpoint on the arithmetic task (ladder.task_points)
+    task_prediction.json  with --task: the target's final task accuracy and its 95% band (ladder.task)
 
 The loss of a checkpoint is `eval/mean`, the mean held-out loss over the data domains.
 """
@@ -21,21 +23,27 @@ The loss of a checkpoint is `eval/mean`, the mean held-out loss over the data do
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
 from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
+from moelab.errors import DataError
 from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.predict import fit_curves
 from moelab.ladder.rungs import LadderRecipe, check_monotone, rung_flags, rungs_of
+from moelab.ladder.task import predict_task
+from moelab.ladder.task_points import TASK_PROBLEMS, checkpoint_compute, score_runs, with_task_checkpoints
 from moelab.presets import EVALS_PER_RUN
 from moelab.train.outputs import METRICS, SUMMARY, read_jsonl
 
-__all__ = ["plan_ladder", "train_sizes", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder"]
+__all__ = ["plan_ladder", "train_sizes", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder",
+           "predict_ladder_task", "TASK_POINTS", "TASK_PREDICTION"]
 
 CURVE_LOSS = "eval/mean"
+TASK_POINTS, TASK_PREDICTION = "task_points.csv", "task_prediction.json"  # `run_ladder(task=True)`'s files
 
 
 def curve_rows(cfg: RunConfig, run_dir: Path) -> list[dict]:
@@ -112,10 +120,34 @@ def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out:
 
 
 def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, Path], dict],
-               progress: Callable[[Iterable], Iterable] = iter) -> dict:
-    """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target."""
+               progress: Callable[[Iterable], Iterable] = iter, task: bool = False) -> dict:
+    """Train every rung with `train_fn(cfg, dir)` (skipping finished ones), then fit and predict the target.
+
+    With `task`, each rung keeps a checkpoint per quarter of its steps, every checkpoint is scored on the
+    arithmetic task (OUT/task_points.csv) and the summary's `task` holds the target's predicted accuracy
+    (`predict_task`), also written to OUT/task_prediction.json; `{"error": ...}` when the rungs cannot place it.
+    """
     rungs, target = plan_ladder(recipe)
+    if task:
+        rungs = [with_task_checkpoints(cfg) for cfg in rungs]
     for cfg in rungs:
         if not (rung_dir(out, cfg) / SUMMARY).is_file():
             train_fn(cfg, rung_dir(out, cfg))
-    return fit_and_predict([(cfg, rung_dir(out, cfg)) for cfg in rungs], target, out, progress=progress)
+    summary = fit_and_predict([(cfg, rung_dir(out, cfg)) for cfg in rungs], target, out, progress=progress)
+    if task:
+        summary["task"] = predict_ladder_task([(cfg.name, cfg, rung_dir(out, cfg)) for cfg in rungs], target, out)
+    return summary
+
+
+def predict_ladder_task(rungs: list[tuple[str, RunConfig, Path]], target: RunConfig, out: Path) -> dict:
+    """The target's final task accuracy from the rungs' scored checkpoints, as JSON (see `run_ladder`)."""
+    points = score_runs(rungs, out / TASK_POINTS)
+    try:
+        pred = predict_task(points, checkpoint_compute(target, target.train.steps), problems=TASK_PROBLEMS)
+    except DataError as e:  # e.g. two rung sizes: the task law needs three computes
+        result: dict = {"error": str(e)}
+    else:
+        result = {**pred.as_json(), "target_compute": checkpoint_compute(target, target.train.steps),
+                  "problems": TASK_PROBLEMS}
+    (out / TASK_PREDICTION).write_text(json.dumps(result, indent=1) + "\n")
+    return result

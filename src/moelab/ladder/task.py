@@ -35,7 +35,8 @@ from scipy.optimize import least_squares
 
 from moelab.errors import DataError
 
-__all__ = ["TaskPoint", "TaskLaw", "TaskPrediction", "read_task_points", "fit_task_law", "predict_task"]
+__all__ = ["TaskPoint", "TaskLaw", "TaskPrediction", "read_task_points", "write_task_points", "fit_task_law",
+           "predict_task"]
 
 COLUMNS = ("run", "compute", "task_loss", "accuracy", "final")
 NUM_TASK_BOOTSTRAP = 400
@@ -75,6 +76,13 @@ class TaskPrediction(NamedTuple):
     runs: int
     notes: tuple[str, ...]
 
+    def as_json(self) -> dict:
+        """What `ladder task --json`, `ladder run --task` and benchmarks/ladder_cpu.py report."""
+        return {"task_predicted": self.accuracy, "task_lo95": self.lo95, "task_hi95": self.hi95,
+                "task_loss_predicted": self.task_loss, "task_loss_lo95": self.task_loss_lo95,
+                "task_loss_hi95": self.task_loss_hi95, "task_law": self.law._asdict(), "runs": self.runs,
+                "notes": list(self.notes)}
+
 
 def read_task_points(path: str | Path) -> list[TaskPoint]:
     """TASK_POINTS.csv rows; DataError naming the file, line and column for a missing column or a bad value."""
@@ -101,6 +109,17 @@ def read_task_points(path: str | Path) -> list[TaskPoint]:
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror}).") from None
     return points
+
+
+def write_task_points(path: str | Path, points: Sequence[TaskPoint]) -> None:
+    """`points` as TASK_POINTS.csv, through a temporary name: a reader sees the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows((p.run, repr(p.compute), repr(p.task_loss), repr(p.accuracy), p.final) for p in points)
+    tmp.replace(path)
 
 
 def _finals(points: Sequence[TaskPoint]) -> list[TaskPoint]:
