@@ -139,3 +139,12 @@ def test_a_self_check_too_wide_to_fail_is_uninformative_not_trusted_and_says_wha
     assert summary["advice"]["text"].startswith("To reach a +-3% band") and summary["advice"]["seeds_per_rung"] >= 3
     good = _fit(tmp_path, _four_rungs(np.random.default_rng(0)))
     assert good["self_check"]["verdict"] == "passed" and "advice" not in good
+
+
+def test_plan_fix_out_that_is_a_folder_or_under_a_file_exits_2_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    recipe = str(EXPERIMENTS / "ladder-untuned-wide16.yaml")
+    (tmp_path / "a-file").write_text("x")
+    for out, message in ((tmp_path, "is a folder"), (tmp_path / "a-file" / "fixed.yaml", "cannot be written")):
+        code, stdout, err = run_cli(["ladder", "plan", recipe, "--fix", "--out", str(out)], monkeypatch, capsys)
+        assert code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no .tmp left behind

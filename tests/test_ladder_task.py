@@ -104,3 +104,34 @@ def test_a_ladders_task_prediction_is_written_beside_its_points_or_says_why_not(
     monkeypatch.setattr(run_lib, "score_runs", lambda runs, cache: [p for p in points if p.run[:2] in ("d0", "d1")])
     result = run_lib.predict_ladder_task([], target, tmp_path)
     assert set(result) == {"error"} and "three or more computes" in result["error"]
+
+
+@pytest.mark.parametrize("damage", ["not utf-8", "infinite compute", "infinite target"])
+def test_ladder_task_refuses_bytes_and_infinities_with_exit_2(tmp_path, monkeypatch, capsys, damage):
+    """Each was accepted or a traceback: a UnicodeDecodeError, and `inf` FLOPs printed as invalid JSON."""
+    path = tmp_path / "task_points.csv"
+    write_task_points(path, _points(1))
+    target = str(TARGET)
+    if damage == "not utf-8":
+        path.write_bytes(path.read_bytes().replace(b"d0-s0", b"d0-\xff\xfe", 1))
+    elif damage == "infinite compute":
+        path.write_text(path.read_text().replace("d0-s0,", "d0-s0,inf,0.9,0.1,True\nd0-s0,", 1))
+    else:
+        target = "inf"
+    code, out, err = run_cli(["ladder", "task", str(path), "--target-compute", target, "--json"], monkeypatch, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert {"not utf-8": "not UTF-8", "infinite compute": "finite compute",
+            "infinite target": "finite number of FLOPs"}[damage] in " ".join(err.split())
+
+
+def test_an_os_error_any_command_meets_is_one_error_line_naming_the_path_exit_2(monkeypatch, capsys):
+    """The CLI's last net (cli.main): a path that cannot be read or written, which no check before it caught."""
+    from moelab.ladder import task as task_lib
+
+    def in_the_way(path):
+        raise NotADirectoryError(20, "Not a directory", "runs/a-file/task_points.csv")
+
+    monkeypatch.setattr(task_lib, "read_task_points", in_the_way)
+    code, out, err = run_cli(["ladder", "task", "x.csv", "--target-compute", "1e12"], monkeypatch, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "runs/a-file/task_points.csv: Not a directory" in " ".join(err.split())

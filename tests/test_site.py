@@ -202,6 +202,21 @@ def test_a_file_as_out_and_a_publish_url_that_cannot_be_reached_exit_2_with_the_
     monkeypatch.setattr(fsspec.core, "url_to_fs", unreachable)
     with pytest.raises(DataError, match="connecting to ftp://lab.example/site/site.json failed: unreachable"):
         publish_site(site, "ftp://lab.example/site")
+    for args in (["--out", str(taken / "site")], ["--out", str(tmp_path / "s"), "--publish", str(taken)]):
+        code, _, err = cli(mp, ["lab", "site", "--root", "runs", "--ledger", str(ledger), *args], where)
+        assert code == 2 and "cannot write" in err and "Traceback" not in err, (args, err)
+    assert taken.read_text() == "mine"
+
+
+def test_a_finished_or_abandoned_experiment_cannot_be_abandoned_and_the_ledger_is_unchanged(lab):
+    """Abandoning a finished experiment would bury its verdict (the site shows the last event); twice, nothing."""
+    where, ledger, _, _, mp = lab
+    before = len(records(open_ledger(ledger)))
+    for exp_id, message in (("s-confirmed", "has finished"), ("s-refuted", "has finished"),
+                            ("s-abandoned", "abandoned already (record")):
+        code, _, err = cli(mp, ["lab", "abandon", exp_id, "--reason", "tidying up", "--ledger", str(ledger)], where)
+        assert code == 2 and message in " ".join(err.split()), (exp_id, err)
+    assert len(records(open_ledger(ledger))) == before
 
 
 def test_a_page_write_is_atomic_a_failed_rename_leaves_the_old_page(lab, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -105,10 +106,18 @@ def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
     rest = {k: v for k, v in data.items() if k not in ("target", "rungs")}
     text = "\n".join([*lines, yaml.safe_dump({"target": data["target"]}, sort_keys=False, width=110).rstrip(),
                       f"rungs: {json.dumps(data['rungs'])}", yaml.safe_dump(rest, sort_keys=False)])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; --fix writes one recipe file: give a path like {out / 'fixed.yaml'}.")
     tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # nothing half-written stays behind
+        raise ConfigError(f"--out {out}: cannot be written ({e.strerror or e}: {e.filename or out}); choose a path "
+                          "in a folder you can write to.") from None
     if not quiet:
         kept = [c for c in changes if c.before == c.after]  # what a rule could not fix: said, left as it is
         for c in changes:

@@ -73,6 +73,13 @@ def main() -> None:
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         _aborted()
+    except OSError as e:  # a path the command was given that cannot be read or written: name it, no traceback
+        if os.environ.get("MOELAB_DEBUG"):
+            raise
+        print_problem("Error", f"{e.filename or 'a file'}: {e.strerror or e}. Check the paths given to the command "
+                      "(a file where a folder belongs, a missing folder, no permission, a full disk); "
+                      "MOELAB_DEBUG=1 shows where it happened.")
+        sys.exit(2)
     except Exception as e:
         if _is_usage_error(e):
             _name_the_bad_value(e)

@@ -57,7 +57,7 @@ from moelab.errors import ConfigError, DataError
 from moelab.lab.dag import SUCCESS, Step, read_status, step_versions, versioned
 from moelab.lab.experiment import LEDGER_EXPORT
 from moelab.lab.ledger import Ledger, Record, canonical_json, record_hash, record_line, records, verify
-from moelab.lab.registry import Experiment, load_experiment, spec_hash
+from moelab.lab.registry import TRAIN_STEP, Experiment, load_experiment, spec_hash
 from moelab.train.outputs import CONFIG, DATA, METRICS, SUMMARY, read_jsonl
 
 __all__ = ["FORMAT", "MANIFEST", "INFO", "RECORDS", "CHAIN", "Bundle", "BundleCheck", "Exported", "finished_steps",
@@ -68,7 +68,6 @@ MANIFEST, INFO = "MANIFEST.sha256", "bundle.json"
 RECORDS, CHAIN = "ledger/records.jsonl", "ledger/chain.jsonl"
 TAR_SUFFIX = ".tar.gz"
 REPORT_MD, REPORT_HTML = "report/report.md", "report/report.html"
-TRAIN_STEP = "train"  # the step whose run the report describes (report.TRAIN_STEP)
 # What stays behind: checkpoints and W&B (large), the report (rewritten at export), and a published run's export
 # of the whole ledger (other experiments' records; the bundle holds this one's).
 _SKIPPED_ENTRIES = ("checkpoints", "wandb", "report", LEDGER_EXPORT)

@@ -44,8 +44,12 @@ from moelab.config import RunConfig, changed_fields, read_yaml
 from moelab.errors import ConfigError
 from moelab.lab.ledger import DuplicateRecord, Ledger, Record, append, canonical_json, records
 
+TRAIN_STEP = "train"  # the step that trains an experiment's main run (`lab.experiment.experiment_steps`)
+REGISTERED, RUNNING, FINISHED, FAILED, ABANDONED = "registered", "running", "finished", "failed", "abandoned"
+
 __all__ = ["Prediction", "Spec", "Experiment", "read_spec_file", "parse_spec", "spec_hash", "resolve_run_config",
-           "register", "amend", "abandon", "load_experiment", "experiment_ids", "check_unchanged", "git_state", "to_markdown"]
+           "register", "amend", "abandon", "experiment_status", "load_experiment", "experiment_ids", "check_unchanged",
+           "git_state", "to_markdown", "TRAIN_STEP", "REGISTERED", "RUNNING", "FINISHED", "FAILED", "ABANDONED"]
 
 REQUIRED = ("id", "title", "question", "hypothesis", "prediction", "owner")
 OPTIONAL = ("config", "ladder", "resources")
@@ -318,15 +322,43 @@ def amend(ledger: Ledger, exp_id: str, spec_path: str | Path, reason: str) -> Ex
     return load_experiment(ledger, exp_id)
 
 
+def experiment_status(experiment: Experiment) -> str:
+    """registered (nothing ran), running, finished (the main run did), failed (a step did, not retried since)
+    or abandoned (`moelab lab abandon`), from the experiment's run events."""
+    events = [r.body for r in experiment.runs if r.body.get("event") != "reproduction"]
+    if not events:
+        return REGISTERED
+    if events[-1].get("event") == ABANDONED:
+        return ABANDONED
+    last = {}
+    for body in events:
+        last[body.get("step")] = body.get("event")
+    if FAILED in last.values():
+        return FAILED
+    if last.get(TRAIN_STEP) in ("finished", "skipped"):
+        return FINISHED
+    return RUNNING
+
+
 def abandon(ledger: Ledger, exp_id: str, reason: str) -> Record:
     """Record that an experiment is abandoned, and why: it stays on the record (report, site) as abandoned, not
-    deleted. A later `moelab lab run` takes it up again (its events then follow this one)."""
+    deleted. A later `moelab lab run` takes it up again (its events then follow this one). Refused for one that
+    finished (its outcome is the record; abandoning it would hide the verdict) or is abandoned already."""
     reason = (reason or "").strip()
     if not reason:
         raise ConfigError("--reason is empty: say why the experiment stops, e.g. --reason \"the cluster was lost "
                           "at step 1200 and the budget moved to the replanned run\".")
-    load_experiment(ledger, exp_id)  # an unknown id: ConfigError listing the known ones
-    return append(ledger, "run", exp_id, {"event": "abandoned", "reason": reason})
+    experiment = load_experiment(ledger, exp_id)  # an unknown id: ConfigError listing the known ones
+    status = experiment_status(experiment)
+    if status == FINISHED:
+        raise ConfigError(f"{exp_id!r} has finished: its main run ended and its outcome is on the record, which "
+                          "abandoning would hide. To follow it up, register a new experiment (its spec can say "
+                          "which one it supersedes).")
+    if status == ABANDONED:
+        since = next(r for r in reversed(experiment.runs) if r.body.get("event") == ABANDONED)
+        raise ConfigError(f"{exp_id!r} is abandoned already (record {since.seq}: {since.body.get('reason')}); "
+                          f"`moelab lab run {exp_id}` takes it up again.")
+    return append(ledger, "run", exp_id, {"event": ABANDONED, "reason": reason})
 
 
 def check_unchanged(experiment: Experiment, spec_path: str | Path) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from moelab.data.store import sha256_file
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger, verify
-from moelab.lab.registry import Experiment, Prediction, load_experiment
+from moelab.lab.registry import TRAIN_STEP, Experiment, Prediction, load_experiment
 from moelab.ladder.predict import sidecar_path
 from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
                                  read_summary)
@@ -48,7 +48,6 @@ __all__ = ["SECTION_IDS", "REPRODUCTION", "CONFIRMED", "REFUTED", "INCONCLUSIVE"
 CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"
 SECTION_IDS = ("hypothesis", "loss-curve", "per-domain-eval", "mixture", "router", "norms-incidents", "amendments",
                "samples", "reproducibility")
-TRAIN_STEP = "train"  # the step whose output directory holds the run (experiment.experiment_steps)
 REPRODUCTION = "reproduction"  # the run event `moelab lab reproduce` records
 MAX_SAMPLE_EVALS = 3  # samples shown for the first, middle and last eval that has any
 

@@ -28,6 +28,7 @@ show events, not metrics).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import html
 import json
@@ -35,7 +36,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import yaml
 
@@ -43,7 +44,8 @@ from moelab.errors import ConfigError
 from moelab.lab.bundle import TAR_SUFFIX, export_bundle
 from moelab.lab.ledger import Ledger, Record, records, verify
 from moelab.data.store import sha256_file
-from moelab.lab.registry import Experiment, load_experiment, resolve_run_config
+from moelab.lab.registry import (ABANDONED, FAILED, FINISHED, REGISTERED, RUNNING, TRAIN_STEP, Experiment,
+                                 experiment_status, load_experiment, resolve_run_config)
 from moelab.ladder.rungs import recipe_from_data
 from moelab.lab.report import CONFIRMED, INCONCLUSIVE, REFUTED, verdict
 
@@ -51,8 +53,6 @@ __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "REGISTERED", "RUNNING", "FINISHED"
            "ExperimentView", "experiment_view", "svg_curves", "build_site", "publish_site", "Built"]
 
 INDEX, TIMELINE, SITE_JSON = "index.html", "timeline.html", "site.json"
-REGISTERED, RUNNING, FINISHED, FAILED, ABANDONED = "registered", "running", "finished", "failed", "abandoned"
-TRAIN_STEP = "train"  # the step that trains the experiment's main run (`lab.experiment`)
 EVENT_KINDS = ("experiment", "amendment", "run")  # what the index and timeline read; metrics stream beside them
 STREAM_KINDS = ("metric", "incident", "mixture")
 
@@ -83,24 +83,6 @@ class ExperimentView:
     head: Record  # the newest record of this experiment: what its page reflects
     last_event: Record  # the newest registration, amendment or run event: what the index shows
     main: str | None  # the main run's name (its metric records' `run`)
-
-
-def _status(experiment: Experiment) -> str:
-    """registered (nothing ran), running, finished (the main run did), failed (a step did, not retried since)
-    or abandoned (`moelab lab abandon`), from the experiment's run events."""
-    events = [r.body for r in experiment.runs if r.body.get("event") != "reproduction"]
-    if not events:
-        return REGISTERED
-    if events[-1].get("event") == ABANDONED:
-        return ABANDONED
-    last = {}
-    for body in events:
-        last[body.get("step")] = body.get("event")
-    if FAILED in last.values():
-        return FAILED
-    if last.get(TRAIN_STEP) in ("finished", "skipped"):
-        return FINISHED
-    return RUNNING
 
 
 def _main_run_name(experiment: Experiment) -> str | None:
@@ -151,7 +133,7 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
     steps: dict[str, list[Record]] = {}
     for record in experiment.runs:
         steps.setdefault(str(record.body.get("step", record.body.get("event"))), []).append(record)
-    status, main = _status(experiment), _main_run_name(experiment)
+    status, main = experiment_status(experiment), _main_run_name(experiment)
     found, observed = None, None
     if main in runs:
         metric = experiment.spec.prediction.metric
@@ -562,22 +544,34 @@ def build_site(ledger: Ledger, root: str | Path, out: str | Path, only: str | No
         else:
             unchanged += 1
 
-    for view in views:
-        if only is not None and view.experiment.id != only:
-            continue
-        bundle, note = (_bundle(ledger, view, out, written) if bundles else
-                        (None, "Bundles were not built into this site."))
-        put(_page_name(view.experiment.id), _experiment_page(view, bundle, note))
-    event_head = events[-1]
-    put(INDEX, _index_page(views, event_head))
-    put(TIMELINE, _timeline_page(views, events, event_head))
-    files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted(out.rglob("*"))
-             if p.is_file() and p.name != SITE_JSON and not p.name.startswith(".")}
-    info = {"format": "moelab-site", "version": 1, "ledger": {"num_records": check.num_records,
-                                                               "head_hash": check.head_hash},
-            "experiments": len(views), "files": files}
-    _write_if_changed(out / SITE_JSON, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
+    with _writes_to(out, "--out"):
+        for view in views:
+            if only is not None and view.experiment.id != only:
+                continue
+            bundle, note = (_bundle(ledger, view, out, written) if bundles else
+                            (None, "Bundles were not built into this site."))
+            put(_page_name(view.experiment.id), _experiment_page(view, bundle, note))
+        event_head = events[-1]
+        put(INDEX, _index_page(views, event_head))
+        put(TIMELINE, _timeline_page(views, events, event_head))
+        files = {p.relative_to(out).as_posix(): sha256_file(p) for p in sorted(out.rglob("*"))
+                 if p.is_file() and p.name != SITE_JSON and not p.name.startswith(".")}
+        info = {"format": "moelab-site", "version": 1, "ledger": {"num_records": check.num_records,
+                                                                   "head_hash": check.head_hash},
+                "experiments": len(views), "files": files}
+        _write_if_changed(out / SITE_JSON, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
     return Built(out, written, unchanged, len(views), check.num_records, check.head_hash)
+
+
+@contextlib.contextmanager
+def _writes_to(where: str | Path, option: str) -> Iterator[None]:
+    """A folder the site cannot be written into (a file in the way, no permission, a read-only disk) as one
+    ConfigError naming the path and the option, not a traceback. Pages already written stay whole (atomic)."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(f"{option} {where}: cannot write {e.filename or where} ({e.strerror or e}). Choose a "
+                          "folder you can write to, with no file in the way of its pages.") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -600,7 +594,8 @@ def publish_site(site: str | Path, destination: str) -> list[str]:
         except (ValueError, KeyError, TypeError):
             published = {}  # a manifest we cannot read: copy everything again
     copied = [name for name, digest in local.items() if published.get(name) != digest]
-    for name in copied:
-        publish(site / name, join(destination, name))
-    publish(site / SITE_JSON, target)
+    with _writes_to(destination, "--publish"):  # a local destination; object storage raises DataError itself
+        for name in copied:
+            publish(site / name, join(destination, name))
+        publish(site / SITE_JSON, target)
     return copied

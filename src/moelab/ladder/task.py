@@ -102,12 +102,16 @@ def read_task_points(path: str | Path) -> list[TaskPoint]:
                 except (TypeError, ValueError):
                     raise DataError(f"{path} line {line}: compute, task_loss and accuracy must be numbers "
                                     f"(got {dict(row)}).") from None
-                if not (point.compute > 0 and point.task_loss > 0 and 0 <= point.accuracy <= 1 and point.run):
-                    raise DataError(f"{path} line {line}: needs a run name, compute > 0, task_loss > 0 and "
+                if not (0 < point.compute < math.inf and 0 < point.task_loss < math.inf and 0 <= point.accuracy <= 1
+                        and point.run):
+                    raise DataError(f"{path} line {line}: needs a run name, finite compute > 0 and task_loss > 0 and "
                                     f"accuracy in [0, 1] (got {dict(row)}).")
                 points.append(point)
     except OSError as e:
         raise DataError(f"{path}: cannot be read ({e.strerror}).") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a text CSV (byte {e.start} is not UTF-8); a task points CSV has "
+                        f"{','.join(COLUMNS)}.") from None
     return points
 
 
@@ -172,8 +176,8 @@ def predict_task(points: Sequence[TaskPoint], target_compute: float, *, num_boot
                  seed: int = 0, problems: int | None = None) -> TaskPrediction:
     """The target's final task loss and accuracy at `target_compute`, with 95% bands (run bootstrap plus the
     target's own noise; see the module docstring). `problems`: how many problems its accuracy is measured on."""
-    if not target_compute > 0:
-        raise DataError(f"the target's compute must be > 0 FLOPs (got {target_compute}).")
+    if not 0 < target_compute < math.inf:
+        raise DataError(f"the target's compute must be a finite number of FLOPs > 0 (got {target_compute}).")
     law = fit_task_law(points)
     own_sd, own_dof = _final_residual_noise(law, points)
     runs = sorted({p.run for p in points})

@@ -75,7 +75,7 @@ def load_run(out: str | Path, tokenizer: Path | None = None, step: int | None = 
     try:
         cfg = load_yaml(config)
     except ConfigError as e:
-        raise DataError(f"{config} does not load as a run config ({e}).") from None
+        raise DataError(f"{config} does not load as a run config: {str(e).rstrip('.')}.") from None
     ckpt_dir = out / outputs.CHECKPOINTS
     if not ckpt_dir.is_dir() or not any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise DataError(f"run {out} has no checkpoint in {ckpt_dir}: it has not saved one yet. Train it "
