@@ -541,6 +541,46 @@ def _edit_jsonl(name, key, line=0):
     return edit
 
 
+def _rearrange_jsonl(name, how):
+    """Delete, swap or repeat whole lines: each row still is a ledger record, so only the order and the count
+    can tell (issue 31 follow-up: a deleted incident passed `lab verify`)."""
+    def edit(folder):
+        path = folder / name
+        lines = path.read_text().splitlines(keepends=True)
+        if how == "delete":
+            del lines[2]
+            expected = "lacks ledger record"
+        elif how == "swap":
+            lines[2], lines[3] = lines[3], lines[2]
+            expected = "line 4 (step"
+        else:
+            lines.insert(3, lines[2])
+            expected = "line 4 (step"
+        path.write_text("".join(lines))
+        return expected
+    return edit
+
+
+def _edit_report_section(section, how):
+    """report.md's samples table or amendments list, edited: both were read by no check (a table row could be
+    dropped, an amendment hidden) until the verify recomputed them from the bundled files and records."""
+    def edit(folder):
+        path = folder / "report/report.md"
+        lines = path.read_text().splitlines(keepends=True)
+        start = lines.index(f'<a id="{section}"></a>\n')
+        if how == "row":
+            first = next(i for i in range(start, len(lines)) if lines[i].startswith("| ") and "---" not in lines[i]
+                         and i > start + 1 and lines[i - 1].startswith("|"))
+            lines[first] = "| 0 | code | def | edited |\n"
+            expected = f"report/report.md: the {section} table does not state"
+        else:
+            lines.insert(start + 2, "1. a change nobody made (now; ledger record 3); changed: x\n\n")
+            expected = "report/report.md: the amendments section names record(s) [3]"
+        path.write_text("".join(lines))
+        return expected
+    return edit
+
+
 def _edit_json(name, key):
     def edit(folder):
         path = folder / name
@@ -559,6 +599,11 @@ def _edit_json(name, key):
     pytest.param(_edit_json("steps/train/result.json", "tokens"), id="result"),
     pytest.param(lambda f: (f / "steps/train/incidents.jsonl").open("a").write('{"step": 3, "rule": "spike"}\n') and
                  "steps/train/incidents.jsonl line 1: no ledger record holds this row", id="incident"),
+    pytest.param(_rearrange_jsonl("steps/train/metrics.jsonl", "delete"), id="metrics-row-deleted"),
+    pytest.param(_rearrange_jsonl("steps/train/metrics.jsonl", "swap"), id="metrics-rows-swapped"),
+    pytest.param(_rearrange_jsonl("steps/train/metrics.jsonl", "repeat"), id="metrics-row-repeated"),
+    pytest.param(_edit_report_section("samples", "row"), id="report-samples"),
+    pytest.param(_edit_report_section("amendments", "insert"), id="report-amendments"),
 ])
 def test_a_file_a_ledger_record_commits_to_is_checked_against_the_record_even_resealed(lab, tmp_path, edit):
     """Issue 31: editing a bundled metric and rewriting the manifest line once passed `lab verify`."""
@@ -605,3 +650,27 @@ def test_a_ladder_experiments_bundle_verifies_and_the_watched_runs_prediction_is
     problems = verify_bundle(copy).problems
     assert any(p.startswith(f"steps/train/prediction.json is not the result ledger record {fit_seq} holds: notes")
                for p in problems), problems
+
+
+def test_a_resumed_runs_files_verify_and_a_row_deleted_after_the_resume_does_not(tmp_path):
+    """A resume from the checkpoint at step 4 cut the files there and logged steps 5-6 again (the metrics with
+    another tokens_per_s; the step-5 incident the same): the records it left behind are not missing rows, but
+    a row the resumed run committed is (`bundle._check_streamed`)."""
+    from moelab.lab.bundle import _check_streamed
+
+    def metric(step, speed):
+        return {"step": step, "loss": 5.0 - step / 10, "tokens_per_s": speed}
+
+    first = [("metric", metric(s, 100.0)) for s in range(1, 7)] + [("incident", {"step": 5, "rule": "spike"})]
+    first.sort(key=lambda kind_body: kind_body[1]["step"])
+    again = [("metric", metric(5, 90.0)), ("incident", {"step": 5, "rule": "spike"}), ("metric", metric(6, 90.0))]
+    own = [{"seq": seq, "kind": kind, "body": {"run": "r", **body}}
+           for seq, (kind, body) in enumerate(first + again, start=10)]
+    files = {"metrics.jsonl": [metric(s, 100.0) for s in range(1, 5)] + [metric(5, 90.0), metric(6, 90.0)],
+             "incidents.jsonl": [{"step": 5, "rule": "spike"}], "mixture_log.jsonl": [], "samples.jsonl": []}
+    for name, rows in files.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _check_streamed(tmp_path, "steps/train", own) == []
+    (tmp_path / "incidents.jsonl").write_text("")
+    problems = _check_streamed(tmp_path, "steps/train", own)
+    assert len(problems) == 1 and problems[0].startswith("steps/train/incidents.jsonl lacks ledger record 18 (step 5)")

@@ -41,6 +41,7 @@ import contextlib
 import datetime as dt
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -536,6 +537,10 @@ def _check_committed(bundle: Bundle) -> list[str]:
         record = runs.get(entry["record"]["seq"])
         if record is None:
             continue  # _check_steps names it
+        status = read_status(where)
+        if status not in (None, SUCCESS):  # the record is a finished (or skipped-as-done) step's
+            problems.append(f"{label}/STATUS reads {status!r}, but ledger record {record.seq} has the step "
+                            f"{record.body.get('event')} with status {SUCCESS}")
         for filename, whole in _RESULT_FILES:
             path = where / filename
             owner = _result_owner(bundle, name, filename, runs) or record
@@ -549,30 +554,66 @@ def _check_committed(bundle: Bundle) -> list[str]:
                                 f"{_first_difference(have, result)}")
         config = where / CONFIG
         run_name = (yaml.safe_load(config.read_text()) or {}).get("name") if config.is_file() else None
-        for filename, kind in _STREAMED.items():
-            committed: dict[Any, list[tuple[int, dict]]] = {}
-            for row in own:
-                if row["kind"] == kind and row["body"].get("run") == run_name:
-                    body = {k: v for k, v in row["body"].items() if k != "run"}
-                    committed.setdefault(body.get("step"), []).append((row["seq"], body))
-            path = where / filename
-            if not path.is_file():
-                if committed:
-                    problems.append(f"{label}/{filename} is missing, though {sum(map(len, committed.values()))} "
-                                    f"ledger record(s) hold its rows")
-                continue
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                row = json.loads(line)
-                candidates = committed.get(row.get("step"), []) if isinstance(row, dict) else []
-                if any(canonical_json(body) == canonical_json(row) for _, body in candidates):
-                    continue
-                if candidates:
-                    seq, body = candidates[-1]
-                    problems.append(f"{label}/{filename} line {number} (step {row.get('step')}) is not ledger record "
-                                    f"{seq}: {_first_difference(row, body)}")
-                else:
-                    problems.append(f"{label}/{filename} line {number}: no ledger record holds this row")
+        problems += _check_streamed(where, label, [r for r in own if r["body"].get("run") == run_name])
     return problems
+
+
+def _check_streamed(where: Path, label: str, own: list[dict]) -> list[str]:
+    """A step's streamed files against the run's ledger records, one file per kind (`_STREAMED`): each line is a
+    record (same body), the lines follow the records' order (none repeated), and every record is a line unless
+    the run went back past it: a resume from an earlier checkpoint cuts its files there and logs those steps
+    again (its metrics step back to one at or below the record's), or the same row came again later. So a row
+    deleted, reordered or duplicated is a finding."""
+    problems, restarts, previous = [], [], -math.inf
+    for row in sorted(own, key=lambda r: r["seq"]):  # a resume: the run logs a step it had logged, or an earlier one
+        step = row["body"].get("step")
+        if row["kind"] == _STREAMED[METRICS] and _typed(step, int):
+            if step <= previous:
+                restarts.append((row["seq"], step))
+            previous = step
+    for filename, kind in _STREAMED.items():
+        committed = [(row["seq"], {k: v for k, v in row["body"].items() if k != "run"})
+                     for row in own if row["kind"] == kind]
+        path = where / filename
+        if not path.is_file():
+            if committed:
+                problems.append(f"{label}/{filename} is missing, though {len(committed)} ledger record(s) hold its rows")
+            continue
+        by_step: dict[Any, list[tuple[int, dict, str]]] = {}
+        for seq, body in committed:
+            by_step.setdefault(body.get("step"), []).append((seq, body, canonical_json(body)))
+        matched: dict[str, int] = {}  # a matched row's canonical JSON -> the newest record seq it matched
+        last = 0
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            row = json.loads(line)
+            step = row.get("step") if isinstance(row, dict) else None
+            same = by_step.get(step, []) if _hashable(step) else []
+            text = canonical_json(row)
+            equal = [seq for seq, _, canon in same if canon == text]
+            later = [seq for seq in equal if seq > last]
+            if later:  # the newest: after a resume the row in the file is the one logged again
+                last = later[-1]
+                matched[text] = max(matched.get(text, 0), last)
+            elif equal:
+                problems.append(f"{label}/{filename} line {number} (step {step}) repeats a row or is out of order: "
+                                f"it is ledger record {equal[-1]}, which comes before the record of an earlier line")
+            elif same:
+                seq, body, _ = same[-1]
+                problems.append(f"{label}/{filename} line {number} (step {step}) is not ledger record "
+                                f"{seq}: {_first_difference(row, body)}")
+            else:
+                problems.append(f"{label}/{filename} line {number}: no ledger record holds this row")
+        for seq, body in committed:
+            step, canon = body.get("step"), canonical_json(body)
+            gone_back = _typed(step, int) and any(at > seq and first <= step for at, first in restarts)
+            if matched.get(canon, 0) < seq and not gone_back:
+                problems.append(f"{label}/{filename} lacks ledger record {seq} (step {step}): a row the run "
+                                "committed is not in the file")
+    return problems
+
+
+def _hashable(value: Any) -> bool:
+    return isinstance(value, (int, float, str, bool, type(None)))
 
 
 def _no_fn(ctx: Any) -> None:  # a Step rebuilt only to recompute its version
@@ -612,14 +653,16 @@ def _check_report(bundle: Bundle) -> list[str]:
     run = bundle.step_dir(TRAIN_STEP)
     summary_path = run / SUMMARY
     expected = stated_tables(bundle.experiment, read_jsonl(run / METRICS),
-                             json.loads(summary_path.read_text()) if summary_path.is_file() else {})
+                             json.loads(summary_path.read_text()) if summary_path.is_file() else {}, run)
     problems = []
     for name, parse in ((REPORT_MD, _markdown_tables), (REPORT_HTML, _html_tables)):
         try:
-            stated = parse((bundle.folder / name).read_text())
+            text = (bundle.folder / name).read_text()
         except OSError:
             problems.append(f"{name} is missing")
             continue
+        stated = parse(text)
+        problems += _check_report_amendments(bundle, name, text)
         for sid, rows in expected.items():
             got = stated.get(sid, [])
             bad = next((i for i in range(max(len(rows), len(got))) if i >= len(rows) or i >= len(got)
@@ -632,6 +675,21 @@ def _check_report(bundle: Bundle) -> list[str]:
         if name == REPORT_MD:
             problems += _check_report_head(bundle, stated.get("reproducibility", []))
     return problems
+
+
+def _check_report_amendments(bundle: Bundle, name: str, text: str) -> list[str]:
+    """The report's amendments section names each amendment on the bundled ledger by its record, and no other."""
+    pattern = (r'<a id="amendments"></a>(.*?)(?:<a id="|\Z)' if name == REPORT_MD else
+               r'<section id="amendments">(.*?)</section>')
+    found = re.search(pattern, text, re.DOTALL)
+    if found is None:
+        return [f"{name} has no amendments section"]
+    named = sorted(int(n) for n in re.findall(r"ledger record (\d+)\)", found.group(1)))
+    want = sorted(a.seq for a in bundle.experiment.amendments)
+    if named == want:
+        return []
+    return [f"{name}: the amendments section names record(s) {named or 'none'}, but the bundled ledger holds "
+            f"amendment record(s) {want or 'none'}"]
 
 
 def _check_report_head(bundle: Bundle, rows: list[list[str]]) -> list[str]:

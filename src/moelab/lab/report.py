@@ -376,7 +376,7 @@ def _data_sources(sec: Section, out: Path) -> None:
                for source in domain["sources"]])
 
 
-def _mixture(out: Path) -> Section:
+def _mixture(out: Path, plots: bool = True) -> Section:
     sec = Section("mixture", "Data mixture")
     _data_sources(sec, out)
     rows = read_jsonl(out / MIXTURE_LOG)
@@ -385,7 +385,7 @@ def _mixture(out: Path) -> Section:
         return sec
     snapshots = [r for r in rows if r.get("kind") == "snapshot" and r.get("tokens")]
     changes = [r for r in rows if r.get("kind") == "change"]
-    if snapshots:
+    if snapshots and plots:
         sec.img("mixture", _mixture_plot(snapshots))
     else:
         sec.note("The mixture log holds no token snapshots, so there is no plot.")
@@ -414,16 +414,16 @@ def _router(metrics: list[dict], out: Path) -> Section:
     return sec
 
 
-def _norms_incidents(metrics: list[dict], out: Path) -> Section:
+def _norms_incidents(metrics: list[dict], out: Path, plots: bool = True) -> Section:
     sec = Section("norms-incidents", "Norms and incidents")
     keys = sorted({k for r in metrics for k in r if k.startswith("norm/")})
-    for group in ("params", "grads", "updates"):
+    for group in ("params", "grads", "updates") if plots else ():
         group_keys = [k for k in keys if k.startswith(f"norm/{group}/")]
         if group_keys:
             sec.img(f"norms_{group}", _line_plot({k[len(f'norm/{group}/'):]: _series(metrics, k) for k in group_keys},
                                                  f"norm/{group}", "L2 norm", log_y=True))
     other = [k for k in keys if k.count("/") == 1]
-    if other:
+    if other and plots:
         sec.img("norms_other", _line_plot({k: _series(metrics, k) for k in other}, "other norms", "L2 norm"))
     if not keys:
         sec.note("The run logged no norm/* metrics.")
@@ -538,11 +538,15 @@ def _reproductions(sec: Section, experiment: Experiment) -> None:
                "final weights", "first difference", "original"], rows)
 
 
-def stated_tables(experiment: Experiment, metrics: list[dict], summary: dict) -> dict[str, list[list[str]]]:
-    """The tables of numbers the report states about the outcome, as printed (header row first): the
-    hypothesis table (observed value, its step, the verdict) and the per-domain eval table, by section id.
-    `moelab lab verify BUNDLE` recomputes them from the bundle's metrics and compares them with its report."""
-    sections = (_hypothesis(experiment, metrics, summary), _per_domain_table(metrics, summary))
+def stated_tables(experiment: Experiment, metrics: list[dict], summary: dict,
+                  out: Path | None = None) -> dict[str, list[list[str]]]:
+    """The tables the report states, as printed (header row first), by section id: the hypothesis table (observed
+    value, its step, the verdict) and the per-domain eval table and, given the run's folder `out`, the data
+    sources and mixture changes, the incidents and the samples. `moelab lab verify BUNDLE` recomputes them from
+    the bundle's files and compares them with its report (no plot is drawn for that)."""
+    sections = [_hypothesis(experiment, metrics, summary), _per_domain_table(metrics, summary)]
+    if out is not None:
+        sections += [_mixture(out, plots=False), _norms_incidents(metrics, out, plots=False), _samples(out)]
     return {s.id: [row for part in s.parts if part[0] == "table" for row in (part[1], *part[2])] for s in sections}
 
 
