@@ -358,3 +358,18 @@ def test_show_prints_the_ledger_head_hash_and_record_count_in_every_format(lab, 
     edit_row(ledger, 2)  # a reader of `show` must not mistake a broken chain's head for a good one
     code, out, _ = run("show", "exp-a", "--markdown")
     assert code == 0 and "chain broken at record 2" in out and "holds" not in out
+
+
+def test_a_prediction_whose_expected_value_its_own_band_refutes_is_not_recorded(lab):
+    """Registered, it could only come out refuted by the outcome it expects; amended to one, likewise."""
+    ledger, spec, run = lab
+    bad = dict(spec_data()["prediction"], expected=4.5)  # band [null, 4.0]
+    write_spec(spec, spec_data(prediction=bad))
+    code, _, err = run("register", str(spec))
+    assert code == 2 and "prediction.expected=4.5 lies outside prediction.band=[None, 4.0]" in " ".join(err.split())
+    assert not ledger.exists() or not records(open_ledger(ledger))
+    write_spec(spec, spec_data())
+    assert run("register", str(spec))[0] == 0
+    write_spec(spec, spec_data(prediction=bad))
+    code, _, err = run("amend", "exp-a", str(spec), "--reason", "raise the point")
+    assert code == 2 and "lies outside prediction.band" in err and len(records(open_ledger(ledger))) == 1

@@ -209,7 +209,7 @@ def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):
 
 def test_amended_band_refutes_and_lists_the_amendment(lab, tmp_path, monkeypatch, capsys):
     ledger, _, root = lab
-    amended = {**SPEC, "prediction": {**SPEC["prediction"], "band": [None, 0.5]}}
+    amended = {**SPEC, "prediction": {**SPEC["prediction"], "expected": 0.4, "band": [None, 0.5]}}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(amended))
     ledger_copy = tmp_path / "ledger.sqlite"  # keep the module's ledger as registered for the other tests

@@ -276,11 +276,24 @@ def _provenance(spec_path: Path, data: dict) -> dict:
             "git_dirty": dirty}
 
 
+def _decidable(prediction: Prediction, where: str) -> None:
+    """Refuse a prediction that contradicts itself: an expected value outside its own band would be refuted by
+    the very value it expects. Checked when a spec is recorded (register, amend), not when one is read back."""
+    if prediction.expected is None or prediction.band is None:
+        return
+    low, high = prediction.band
+    if (low is not None and prediction.expected < low) or (high is not None and prediction.expected > high):
+        raise ConfigError(f"{where}: prediction.expected={prediction.expected} lies outside prediction.band="
+                          f"{list(prediction.band)}, so the expected outcome would refute the hypothesis. Move one "
+                          "of them (the band is what decides; expected is the point you predict inside it).")
+
+
 def register(ledger: Ledger, spec_path: str | Path) -> Experiment:
     """Record a new spec; ConfigError if it is invalid or its id is already registered."""
     spec_path = Path(spec_path)
     data = read_spec_file(spec_path)
     spec = parse_spec(data, f"spec {spec_path}")
+    _decidable(spec.prediction, f"spec {spec_path}")
     try:
         existing = load_experiment(ledger, spec.id)
     except ConfigError:
@@ -308,6 +321,7 @@ def amend(ledger: Ledger, exp_id: str, spec_path: str | Path, reason: str) -> Ex
     spec_path = Path(spec_path)
     data = read_spec_file(spec_path)
     spec = parse_spec(data, f"spec {spec_path}")
+    _decidable(spec.prediction, f"spec {spec_path}")
     if spec.id != exp_id:
         raise ConfigError(f"spec {spec_path} has id={spec.id!r}, but you are amending {exp_id!r}; an amendment "
                           f"cannot rename an experiment. Set id: {exp_id} in the file, or register it as a new one.")
