@@ -302,10 +302,11 @@ def task(
     if problems is not None and problems < 1:
         raise ConfigError(f"--problems {problems} is invalid: the number of problems scored, an integer >= 1.")
     pred = predict_task(read_task_points(points), target_compute, num_bootstrap=bootstrap, problems=problems)
+    result = {**pred.as_json(), "target_compute": target_compute}
     if json_out:
-        print(json.dumps({**pred.as_json(), "target_compute": target_compute}))
+        print(json.dumps(result))
         return
-    _print_task({**pred.as_json(), "target_compute": target_compute})
+    _print_task(result)
 
 
 def _print_task(result: dict, saved: Path | None = None) -> None:

@@ -385,10 +385,10 @@ def _mixture(out: Path, plots: bool = True) -> Section:
         return sec
     snapshots = [r for r in rows if r.get("kind") == "snapshot" and r.get("tokens")]
     changes = [r for r in rows if r.get("kind") == "change"]
-    if snapshots and plots:
-        sec.img("mixture", _mixture_plot(snapshots))
-    else:
+    if not snapshots:
         sec.note("The mixture log holds no token snapshots, so there is no plot.")
+    elif plots:
+        sec.img("mixture", _mixture_plot(snapshots))
     if changes:
         sec.table(["step", "phase", "weights", "message"],
                   [[c.get("step"), c.get("phase"), json.dumps(c.get("weights"), sort_keys=True), c.get("message")]

@@ -141,13 +141,12 @@ def run_ladder(recipe: LadderRecipe, out: Path, train_fn: Callable[[RunConfig, P
 
 def predict_ladder_task(rungs: list[tuple[str, RunConfig, Path]], target: RunConfig, out: Path) -> dict:
     """The target's final task accuracy from the rungs' scored checkpoints, as JSON (see `run_ladder`)."""
-    points = score_runs(rungs, out / TASK_POINTS)
+    points, compute = score_runs(rungs, out / TASK_POINTS), checkpoint_compute(target, target.train.steps)
     try:
-        pred = predict_task(points, checkpoint_compute(target, target.train.steps), problems=TASK_PROBLEMS)
+        pred = predict_task(points, compute, problems=TASK_PROBLEMS)
     except DataError as e:  # e.g. two rung sizes: the task law needs three computes
         result: dict = {"error": str(e)}
     else:
-        result = {**pred.as_json(), "target_compute": checkpoint_compute(target, target.train.steps),
-                  "problems": TASK_PROBLEMS}
+        result = {**pred.as_json(), "target_compute": compute, "problems": TASK_PROBLEMS}
     (out / TASK_PREDICTION).write_text(json.dumps(result, indent=1) + "\n")
     return result
