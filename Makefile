@@ -12,7 +12,7 @@ WHEELS ?= /opt/wheels
 # PYTEST_ARGS adds to every target's pytest line (benchmarks/suite_time.py adds its durations table there).
 PYTEST = $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-.PHONY: demo test test-slow test-all check clean
+.PHONY: demo test test-slow test-all check clean browser
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -23,17 +23,22 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/moelab demo
 
-test: $(STAMP)
+# Headless Chromium for the report and site tests: installed once where the machine can (root, apt-get), else one
+# line saying what to install and a stop before the first test (tools/need-chromium).
+browser:
+	@tools/need-chromium
+
+test: $(STAMP) browser
 	$(PYTEST)
 
 # The `slow` tier alone: what `make test` leaves out to stay inside 8 minutes (each such test says why in its
 # docstring). CI runs it after `make test`, so every test runs on every submission but the `network` one
 # (a fresh venv's pip install of the package, minutes and the package index), which only `make test-all` runs.
-test-slow: $(STAMP)
+test-slow: $(STAMP) browser
 	$(PYTEST) -m 'slow and not network'
 
 # Every test, the `slow` ones too, in one run.
-test-all: $(STAMP)
+test-all: $(STAMP) browser
 	$(PYTEST) -m 'slow or not slow'
 
 # The inner loop between two changes: each module's core logic, no Ray, S3 or browser and no trained run.

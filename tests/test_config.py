@@ -90,6 +90,15 @@ def test_a_latent_as_wide_as_the_model_or_wider_is_refused(latent):
     assert override(presets.get("tiny"), {"model.moe.latent_dim": 48}).model.moe.latent_dim == 48
 
 
+@pytest.mark.parametrize("field", ["model.moe.latent_dim", "model.moe.shared_expert_dim", "model.head_dim",
+                                   "checkpoint.every", "checkpoint.keep_every"])
+def test_an_unsettable_field_set_to_0_says_how_to_unset_it(field):
+    """`=0` is what a user types to turn LatentMoE off; the message must show the `=null` that does it."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}=0 is invalid: .*or null to unset it.*--set {re.escape(field)}=null"):
+        override(presets.get("tiny"), {field: 0})
+    assert override(presets.get("tiny"), {field: None}) is not None  # null is accepted
+
+
 def test_unknown_keys_are_named_with_the_allowed_ones():
     with pytest.raises(ConfigError, match=r"model\.moe\.top_k.*num_experts_per_token"):
         override(presets.get("tiny"), {"model.moe.top_k": 2})

@@ -270,7 +270,7 @@ def test_the_report_of_a_run_still_preempted_exits_2_saying_how_to_resume_it(lab
 def _report_and_chromium(lab, tmp_path, monkeypatch, capsys):
     """(chromium's path, the report's HTML path) for the module's run."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is not installed; .ci/run installs it (apt-get install -y chromium)"
+    assert chromium, "chromium is not installed; make test installs it first (tools/need-chromium)"
     ledger, _, _ = lab
     code, stdout, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
                                 monkeypatch, capsys)

@@ -103,10 +103,16 @@ def _row(index_html: str, exp_id: str) -> str:
     return " ".join(re.sub(r"<[^>]+>", " ", html.unescape(row)).split())
 
 
+def test_counts_read_as_words_not_as_experiment_s():
+    from moelab.lab.site import counted
+
+    assert [counted(n, "experiment") for n in (0, 1, 2)] == ["0 experiments", "1 experiment", "2 experiments"]
+
+
 def test_the_index_lists_every_experiment_with_its_status_prediction_outcome_and_amendments(lab):
     _, _, site, _, _ = lab
     index = (site / INDEX).read_text()
-    assert "The lab: 5 experiment(s)" in index
+    assert "The lab: 5 experiments" in index
     confirmed, refuted = _row(index, "s-confirmed"), _row(index, "s-refuted")
     assert "finished" in confirmed and "confirmed" in confirmed and "eval/mean 5 in [-inf, 10]" in confirmed
     assert "finished" in refuted and "refuted" in refuted and "in [-inf, 0.5]" in refuted
@@ -248,7 +254,7 @@ def test_publish_to_a_folder_copies_only_changed_files(lab, tmp_path):
 
 def _chromium(tmp_path, *args):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is not installed; .ci/run installs it (apt-get install -y chromium)"
+    assert chromium, "chromium is not installed; make test installs it first (tools/need-chromium)"
     return subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",

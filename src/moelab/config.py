@@ -56,6 +56,13 @@ def _positive_int(name: str, value: Any) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "must be an integer >= 1")
 
 
+def _positive_int_or_null(name: str, value: Any, unset_means: str) -> None:
+    """A field that may be unset (None) but not 0: the message says how to unset it, since `=0` is the
+    spelling a user reaches for first."""
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
+           f"must be an integer >= 1, or null to unset it ({unset_means}): --set {name}=null")
+
+
 def _non_negative_int(name: str, value: Any) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, value, "must be an integer >= 0")
 
@@ -122,9 +129,9 @@ class MoEConfig:
         _positive_int(p + "expert_dim", self.expert_dim)
         _non_negative_int(p + "num_shared_experts", self.num_shared_experts)
         if self.shared_expert_dim is not None:
-            _positive_int(p + "shared_expert_dim", self.shared_expert_dim)
+            _positive_int_or_null(p + "shared_expert_dim", self.shared_expert_dim, "same width as expert_dim")
         if self.latent_dim is not None:
-            _positive_int(p + "latent_dim", self.latent_dim)
+            _positive_int_or_null(p + "latent_dim", self.latent_dim, "no LatentMoE")
         _one_of(p + "router_score", self.router_score, ROUTER_SCORES)
         _check(self.routed_scaling > 0, p + "routed_scaling", self.routed_scaling, "must be > 0")
         _check(
@@ -193,7 +200,7 @@ class ModelConfig:
                 f"must divide model.d_model={self.d_model}; or set model.head_dim explicitly",
             )
         else:
-            _positive_int(p + "head_dim", self.head_dim)
+            _positive_int_or_null(p + "head_dim", self.head_dim, "d_model // num_heads")
         _check(self.dim_per_head % 2 == 0, p + "head_dim", self.dim_per_head,
                "must be even: RoPE rotates pairs of dimensions")
         _check(
@@ -363,11 +370,16 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4  # per domain
     mixture_snapshot_every: int = 100  # steps between realized-token snapshots in OUT/mixture_log.jsonl
+    # Gradient accumulation: the step runs batch_size / microbatches sequences at a time and applies one update
+    # for the whole batch (the same update to float32 rounding where no token is dropped; memory for activations
+    # falls by this factor). Microbatch m holds rows m, m + M, m + 2M, ... so every device keeps its share.
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
         p = "train."
         _finite_floats(self, p)
-        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "mixture_snapshot_every"):
+        for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches", "mixture_snapshot_every",
+                     "microbatches"):
             _positive_int(p + name, getattr(self, name))
         _non_negative_int(p + "warmup_steps", self.warmup_steps)
         _non_negative_int(p + "seed", self.seed)
@@ -382,16 +394,27 @@ class TrainConfig:
         _one_of(p + "compute_dtype", self.compute_dtype, DTYPES)
 
 
+SHARD_LAYOUTS = ("replicate", "optimizer", "full")  # what of the train state is split over the mesh (`parallel.mesh`)
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: data parallel across `replica` groups, expert parallel inside each (a "rack")."""
 
     replica: int = 1
     expert: int = 1
+    # Routed experts are always split over `expert`. The rest of the state:
+    #   replicate: every non-expert parameter and its Adam moments on every device (no extra collectives);
+    #   optimizer: Adam moments split over the whole mesh (ZeRO-1), the experts' over `replica` too;
+    #   full:      also the non-expert parameters (and so their gradients) split over `expert`, gathered
+    #              inside the step (FSDP across a rack), moments as in `optimizer`.
+    # replicate suits one device and small models; a model whose replicated state does not fit needs full.
+    shard: str = "replicate"
 
     def __post_init__(self) -> None:
         _positive_int("mesh.replica", self.replica)
         _positive_int("mesh.expert", self.expert)
+        _one_of("mesh.shard", self.shard, SHARD_LAYOUTS)
 
     @property
     def num_devices(self) -> int:
@@ -408,10 +431,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every is not None:
-            _positive_int("checkpoint.every", self.every)
+            _positive_int_or_null("checkpoint.every", self.every, "only at the end and on SIGTERM / SIGINT")
         _positive_int("checkpoint.keep_last", self.keep_last)
         if self.keep_every is not None:
-            _positive_int("checkpoint.keep_every", self.keep_every)
+            _positive_int_or_null("checkpoint.keep_every", self.keep_every, "keep no extra checkpoints")
 
 
 @dataclass(frozen=True)
@@ -484,6 +507,15 @@ class RunConfig:
             self.train.batch_size,
             f"must be divisible by the {self.mesh.num_devices} devices of mesh "
             f"replica={self.mesh.replica} x expert={self.mesh.expert}",
+        )
+        per_microbatch = self.mesh.num_devices * self.train.microbatches
+        _check(
+            self.train.batch_size % per_microbatch == 0,
+            "train.microbatches",
+            self.train.microbatches,
+            f"must split train.batch_size={self.train.batch_size} into microbatches that each give the "
+            f"{self.mesh.num_devices} device(s) whole sequences (batch_size divisible by devices x microbatches "
+            f"= {per_microbatch})",
         )
         # Only `ep` runs experts sharded over devices; `grouped`'s Pallas kernel cannot be split by the
         # SPMD partitioner at all, so on several devices each would redo the whole layer.

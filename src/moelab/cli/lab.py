@@ -296,7 +296,7 @@ def site_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Write one static site of every experiment: an index, a page each, a timeline; offline, no script."""
-    from moelab.lab.site import INDEX, build_site, publish_site
+    from moelab.lab.site import INDEX, build_site, counted, publish_site
 
     book = open_ledger(ledger)
     built = build_site(book, root, out, bundles=bundles)
@@ -306,11 +306,12 @@ def site_command(
                           "unchanged": built.unchanged, "head_seq": built.head_seq, "head_hash": built.head_hash,
                           "published": copied}))
         return
-    out_console.print(f"{out / INDEX}: {built.num_experiments} experiment(s), {len(built.written)} file(s) written, "
+    out_console.print(f"{out / INDEX}: {counted(built.num_experiments, 'experiment')}, "
+                      f"{counted(len(built.written), 'file')} written, "
                       f"{built.unchanged} unchanged; ledger head record {built.head_seq} ({built.head_hash[:16]}...).",
                       highlight=False, soft_wrap=True)
     if copied is not None:
-        out_console.print(f"Published to {publish}: {len(copied)} changed file(s) and site.json.", highlight=False,
+        out_console.print(f"Published to {publish}: {counted(len(copied), 'changed file')} and site.json.", highlight=False,
                           soft_wrap=True)
 
 

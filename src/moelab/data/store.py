@@ -30,7 +30,7 @@ SHA-256, no unlisted shard). Hashes are re-read only for files whose size or mti
 check (`.verified.json`), so a start-up after the first costs a stat per file, not a read of the corpus.
 The content hash (`store_hash`) covers the token arrays and the tokenizer, not where the sources lay.
 
-Why plain `.npy` files read by position (README "Data at scale" has the measurements): a window of the
+Why plain `.npy` files read by position (docs/data.md "Data at scale" has the measurements): a window of the
 `(seed, step)` sampler is one `pread`, with no chunk to decode around it (TensorStore's zarr and Arrow IPC
 were measured slower on exactly those reads), and memory holds only the windows read (a memory map held
 the kernel's page-cache folios around each window); the files are plain arrays any tool can memory-map;

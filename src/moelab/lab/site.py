@@ -50,7 +50,7 @@ from moelab.ladder.rungs import recipe_from_data
 from moelab.lab.report import CONFIRMED, INCONCLUSIVE, REFUTED, verdict
 
 __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "REGISTERED", "RUNNING", "FINISHED", "FAILED", "ABANDONED",
-           "ExperimentView", "experiment_view", "svg_curves", "build_site", "publish_site", "Built"]
+           "ExperimentView", "experiment_view", "svg_curves", "build_site", "publish_site", "Built", "counted"]
 
 INDEX, TIMELINE, SITE_JSON = "index.html", "timeline.html", "site.json"
 EVENT_KINDS = ("experiment", "amendment", "run")  # what the index and timeline read; metrics stream beside them
@@ -153,6 +153,11 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
 
 
 _COLOURS = ("#1f5fa8", "#c2571a", "#2b8a3e", "#8e3ea8", "#9a7b00", "#555555")
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 experiment', '2 experiments': what a reader sees instead of '1 experiment(s)'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -420,7 +425,7 @@ def _index_page(views: list[ExperimentView], head: Record) -> str:
     counts = {s: sum(v.status == s for v in views) for s in (REGISTERED, RUNNING, FINISHED, FAILED, ABANDONED)}
     verdicts = {s: sum(v.verdict == s for v in views) for s in (CONFIRMED, REFUTED, INCONCLUSIVE)}
     summary = ", ".join(f"{n} {s}" for s, n in {**counts, **verdicts}.items() if n)
-    body = (f"<h1>The lab: {len(views)} experiment(s)</h1><p>{_e(summary) or 'Nothing registered yet.'}. Every "
+    body = (f"<h1>The lab: {counted(len(views), 'experiment')}</h1><p>{_e(summary) or 'Nothing registered yet.'}. Every "
             "experiment is listed as registered, whatever its outcome: refuted, failed and abandoned ones stay "
             "on the record beside confirmed ones.</p>"
             + _table(["experiment", "question", "status", "pre-registered prediction", "observed", "verdict",

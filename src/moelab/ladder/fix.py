@@ -125,7 +125,7 @@ def _keep_grouping(recipe: LadderRecipe, changes: list[Change]) -> LadderRecipe:
     changes.append(Change("rungs", [list(s) for s in recipe.shapes], [list(s) for s in recipe.shapes],
                           f"not fixed: {', '.join(f'd{d}' for d, _ in stuck)} cannot move within {MAX_MOVE:.0%} to a "
                           f"width that keeps the grouping, and dropping them would leave {len(shapes)} size(s): "
-                          f"{rule}. Measured (README 'Ladder accuracy'): ladder-cpu's rungs at 3:1 and 5:1 against its "
+                          f"{rule}. Measured (docs/key-figures.md 'Ladder accuracy'): ladder-cpu's rungs at 3:1 and 5:1 against its "
                           "2:1 target still met every goal; ladder-cpu-shallow's d56 at 7:1 against 3:1 sat above the "
                           "law in all 5 seeds. Choose rung widths whose head count divides by the grouping"))
     return recipe
