@@ -161,7 +161,7 @@ def test_the_frontier_preset_passes_the_validation_train_applies_on_its_own_mesh
     from moelab.train.loop import prepare_corpus
 
     cfg = presets.get("frontier-535b")
-    assert (cfg.mesh.replica, cfg.mesh.expert, cfg.model.moe.dispatch) == (1, 64, "ep")
+    assert (cfg.mesh.replica, cfg.mesh.expert, cfg.model.moe.dispatch) == (11, 64, "ep")
     assert from_dict(to_dict(cfg)) == cfg
     assert prepare_corpus(cfg).tokenizer.vocab_size <= cfg.model.vocab_size
     with pytest.raises(ConfigError, match="dispatch='capacity' cannot run with mesh.expert=64"):

@@ -69,6 +69,7 @@ def _frontier() -> RunConfig:
         num_kv_heads=12,
         head_dim=128,
         seq_len=FRONTIER_SEQ,
+        remat="full",  # keep each block's input only: 48 blocks' activations do not fit beside the state
         moe=MoEConfig(num_experts=384, num_experts_per_token=8, expert_dim=half, num_shared_experts=2,
                       shared_expert_dim=half, latent_dim=half, capacity_factor=1.15, num_waves=3,
                       dispatch="ep", balancing="hist"),  # ep: the backend that shards experts over mesh.expert=64
@@ -77,8 +78,12 @@ def _frontier() -> RunConfig:
     return RunConfig(
         name="frontier-535b",
         model=model,
-        train=TrainConfig(steps=steps, batch_size=FRONTIER_BATCH, lr=3e-4, warmup_steps=2000, eval_every=1000),
-        mesh=MeshConfig(replica=1, expert=64),
+        # 11 racks of 64 (the seed's 704 GPUs): 16 sequences per device, run one at a time (microbatches=16),
+        # non-expert state split across each rack and bfloat16 Adam moments: `moelab plan` puts this at
+        # ~170 GB a device against 186 GB of HBM (docs/scaling-out.md).
+        train=TrainConfig(steps=steps, batch_size=FRONTIER_BATCH, lr=3e-4, warmup_steps=2000, eval_every=1000,
+                          compute_dtype="bfloat16", moment_dtype="bfloat16", microbatches=16),
+        mesh=MeshConfig(replica=11, expert=64, shard="full"),
     )
 
 
@@ -265,14 +270,17 @@ def make_rung(target: RunConfig, d_model: int, num_layers: int, batch_size: int 
               **train_fields) -> RunConfig:
     """A rung of `target`'s recipe: scaled model (`scale_model`), same tokens per active parameter.
 
-    Everything else (data, schedule shape, mesh) is the target's. `train_fields` override TrainConfig
-    fields (e.g. lr, warmup_steps, eval_every); by default the rung warms up for 5% of its steps and
-    evaluates every 5%.
+    Everything else (data, schedule shape, dtypes, the rack's expert parallelism and layout) is the
+    target's. How the target's batch is spread over racks and microbatches is not recipe: a rung runs on one
+    rack (`mesh.replica` 1) in one pass (`train.microbatches` 1) unless `train_fields` say otherwise.
+    `train_fields` override TrainConfig fields (e.g. lr, warmup_steps, eval_every); by default the rung warms
+    up for 5% of its steps and evaluates every 5%.
     """
     model = scale_model(target.model, d_model, num_layers)
     batch = batch_size or target.train.batch_size
     tokens = tokens_per_active_param(target) * count_params(model).active
     steps = max(EVALS_PER_RUN, round(tokens / (batch * model.seq_len)))
     fields = {"steps": steps, "batch_size": batch, "warmup_steps": max(1, steps // EVALS_PER_RUN),
-              "eval_every": max(1, steps // EVALS_PER_RUN), **train_fields}
-    return replace(target, name=f"ladder-d{d_model}-l{num_layers}", model=model, train=replace(target.train, **fields))
+              "eval_every": max(1, steps // EVALS_PER_RUN), "microbatches": 1, **train_fields}
+    return replace(target, name=f"ladder-d{d_model}-l{num_layers}", model=model, train=replace(target.train, **fields),
+                   mesh=replace(target.mesh, replica=1))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
 __all__ = ["init", "init_router_bias", "apply", "loss", "attention", "causal_attention", "apply_rope"]
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"}
+# Lays out one layer's params for use, inside the scan body (`moelab.parallel.mesh.gather_for_use`: a split
+# parameter gathered here, where its layer runs, instead of the partitioner moving activations to it).
+Gather = Callable[[dict], dict]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,11 +168,14 @@ def _block(
     cfg: ModelConfig,
     compute_dtype: jnp.dtype,
     dispatch: Dispatch,
+    gather: Gather | None,
     x: jax.Array,
     layer_and_bias: tuple[dict[str, jax.Array], jax.Array],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One pre-norm block as a scan step: x [B, S, D] -> (x, this layer's MoE stats)."""
     layer, bias = layer_and_bias
+    if gather is not None:
+        layer = gather(layer)
     B, S, D = x.shape
     x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype)
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MoE sees a flat [T, D]
@@ -201,6 +208,7 @@ def apply(
     compute_dtype: jnp.dtype = jnp.float32,
     *,
     dispatch: Dispatch | None = None,
+    gather: Gather | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token logits.
 
@@ -212,6 +220,8 @@ def apply(
         compute_dtype: jnp.float32 or jnp.bfloat16, for the matmuls only.
         dispatch: the routed experts' backend (`moe.apply`); None: `make_dispatch(cfg.moe)`, the
             single-device backend `cfg.moe.dispatch` names.
+        gather: applied to each layer's params where the layer runs (`Gather`); None under layouts
+            that keep the non-expert params whole.
 
     Returns:
         logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L],
@@ -221,7 +231,7 @@ def apply(
         all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
-    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or make_dispatch(cfg.moe)), cfg.remat)
+    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or make_dispatch(cfg.moe), gather), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = jnp.einsum(
@@ -252,6 +262,7 @@ def loss(
     compute_dtype: jnp.dtype = jnp.float32,
     *,
     dispatch: Dispatch | None = None,
+    gather: Gather | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross-entropy plus the optional z-loss and the balancing loss.
 
@@ -263,14 +274,14 @@ def loss(
     Args:
         params: from `init`.
         tokens: [B, S+1] int32; positions 0..S-1 are inputs, 1..S the targets.
-        cfg, router_bias, compute_dtype, dispatch: as in `apply`.
+        cfg, router_bias, compute_dtype, dispatch, gather: as in `apply`.
 
     Returns:
         The scalar loss and aux: `ce` [], `z_loss` [], `ce_per_row` [B] (mean CE of each sequence),
         plus everything in `apply`'s aux.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, dispatch=dispatch)
+    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, dispatch=dispatch, gather=gather)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
     ce_tok = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
     ce = jnp.mean(ce_tok)

@@ -7,8 +7,17 @@
 Layout (design §3): data parallel across `replica` groups (racks), expert parallel inside each.
 - the batch is sharded over ("replica", "expert") jointly: every device holds B / (R X) sequences;
 - routed experts' weights (`w_gate`, `w_up`, `w_down`, and their optimizer moments) are sharded
-  over `expert` on their expert axis and replicated over `replica`;
-- everything else (attention, router, norms, shared experts, embeddings, router bias) is replicated.
+  over `expert` on their expert axis;
+- the rest of the state (attention, router, norms, shared experts, embeddings) by `mesh.shard`:
+  `replicate` keeps it on every device; `optimizer` splits every Adam moment over the whole mesh
+  (ZeRO-1; the experts' moments over `replica` as well); `full` also splits the non-expert parameters
+  over `expert` (FSDP inside a rack). A split array is cut along its largest dimension that the
+  axis divides (never a stacked layer axis, which `scan` walks); one that no dimension fits stays
+  whole. The router bias, its load average and the step are always replicated.
+
+Nothing in the model names these layouts: jit's partitioner (GSPMD, Auto axes below) gathers a split
+parameter where a matmul needs it and reduce-scatters its gradient, the same program with other
+collectives. `moelab plan` counts what each layout holds per device and moves per step.
 
 Axis-type convention (design §6): the mesh's axes are `AxisType.Auto`, and every array that
 crosses a jit boundary is placed with a `NamedSharding` first (`state_shardings`, `place_batch`).
@@ -49,7 +58,9 @@ __all__ = [
     "from_process_0",
     "make_mesh",
     "param_spec",
+    "leaf_spec",
     "state_shardings",
+    "gather_for_use",
     "batch_sharding",
     "place_batch",
 ]
@@ -157,9 +168,76 @@ def param_spec(path: tuple, leaf: Any) -> P:
     return P()
 
 
-def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """A `NamedSharding` for every leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s) by `param_spec`."""
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), tree)
+# TrainState fields that are never split: tiny, and read whole by every device each step.
+REPLICATED_STATE = ("router_bias", "router_load", "step")
+MOMENTS = ("opt_state", "mu", "nu")  # a path through one of these is optimizer state
+
+
+def _attr_names(path: tuple) -> set[str]:
+    return {k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)}
+
+
+def _split_dim(shape: tuple[int, ...], size: int, skip: set[int]) -> int | None:
+    """The largest dimension of `shape` that `size` divides, outside `skip`; None if there is none."""
+    fits = [d for d in range(len(shape)) if d not in skip and shape[d] % size == 0 and shape[d] >= size]
+    return max(fits, key=lambda d: (shape[d], -d)) if fits else None
+
+
+def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "replicate") -> P:
+    """Where one leaf of the train state (or of a params tree) lives under `layout` (`mesh.shard`).
+
+    Routed experts follow `param_spec` in every layout. Under `optimizer` and `full`, optimizer
+    moments are split over the whole mesh ("replica" and "expert" on one dimension when it divides,
+    else "expert"); an expert's moments add "replica" on one of their own dimensions. Under `full`,
+    non-expert parameters are split over "expert". Leaves under a stacked `layers` key never split their
+    leading layer axis. `axes` is the mesh's axis sizes (`mesh.shape`), so a planner can ask without devices.
+    """
+    base = param_spec(path, leaf)
+    names = _attr_names(path)
+    shape = tuple(np.shape(leaf))
+    if layout == "replicate" or names & set(REPLICATED_STATE) or len(shape) == 0:
+        return base
+    moment = bool(names & set(MOMENTS))
+    if not moment and layout != "full":
+        return base
+    keys = {k.key for k in path if isinstance(k, jax.tree_util.DictKey)}
+    spec = list(base) + [None] * (len(shape) - len(base))
+    taken = {d for d, axis in enumerate(spec) if axis is not None} | ({0} if "layers" in keys else set())
+    replica, expert = axes["replica"], axes["expert"]
+    if "expert" in spec:  # a routed expert's array: already over "expert"; its moments go over "replica" too
+        dim = _split_dim(shape, replica, taken) if moment and replica > 1 else None
+        if dim is not None:
+            spec[dim] = "replica"
+        return P(*spec)
+    if moment and replica > 1:
+        dim = _split_dim(shape, replica * expert, taken)
+        if dim is not None:
+            spec[dim] = ("replica", "expert")
+            return P(*spec)
+    dim = _split_dim(shape, expert, taken) if expert > 1 else None
+    if dim is not None:
+        spec[dim] = "expert"
+    return P(*spec)
+
+
+def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicate") -> Any:
+    """A `NamedSharding` for every leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s) by `leaf_spec`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, leaf_spec(path, leaf, mesh.shape, layout)), tree)
+
+
+def gather_for_use(mesh: Mesh) -> Callable[[Any], Any]:
+    """A `transformer.Gather` for the `full` layout: one layer's params laid out as `param_spec` says
+    (the experts still split, the rest whole) where the layer runs.
+
+    Without it the partitioner is free to keep a weight split and move the activations instead: on the
+    frontier preset it all-gathered every device's tokens ([64 x 4096, 6144] float32, 6 GB) to meet a
+    split weight. Gathering the weight moves one layer's parameters, the same bytes whatever the batch.
+    """
+    def gather(layer: Any) -> Any:
+        return jax.lax.with_sharding_constraint(
+            layer, jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), layer))
+    return gather
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -51,7 +51,7 @@ from moelab.train.schedule import learning_rate
 from moelab.train.state import (TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings,
                                 weights_sha256)
 
-__all__ = ["Hooks", "Watcher", "Preempted", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
+__all__ = ["Hooks", "Watcher", "Preempted", "accumulate_gradients", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
            "config_changes", "check_resumable", "run_platform", "train"]
 
 def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
@@ -61,6 +61,51 @@ def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
     return ep.make_dispatch(cfg.model.moe, mesh)
 
 
+def _gather(cfg: RunConfig, mesh: Mesh | None) -> transformer.Gather | None:
+    """Under `mesh.shard: full`, each layer's split params are gathered where the layer runs."""
+    return mesh_lib.gather_for_use(mesh) if mesh is not None and cfg.mesh.shard == "full" else None
+
+
+# Per-step router statistics that count (summed over microbatches); every other aux value is a mean or a
+# fraction over equally sized microbatches, so their mean is the whole batch's value.
+SUMMED_AUX = ("expert_load", "dropped", "assignments")
+
+
+def accumulate_gradients(loss_fn: Callable, params: Any, tokens: jax.Array, microbatches: int,
+                         mesh: Mesh | None = None, grad_shardings: Any = None) -> tuple[tuple[jax.Array, dict], Any]:
+    """`jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)`, over `microbatches` slices of the batch.
+
+    The slices run one after another under `lax.scan` (activations of one slice live at a time) and the
+    float32 gradient sum stays in `grad_shardings` (a split layout's gradients are reduce-scattered as
+    they are produced). Microbatch m holds rows m, m + M, ...: each device's rows are its own in every
+    slice. Equal slices make the mean of their losses and gradients the batch's to float32 rounding, as
+    long as the dispatch drops nothing (a capacity is set per call, so a slice's drops may differ).
+    The router statistics are combined for the whole step (`SUMMED_AUX` summed, the rest averaged);
+    under quantile balancing the bias target is the mean of the slices' targets.
+    """
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    if microbatches == 1:
+        return value_and_grad(params, tokens)
+    B = tokens.shape[0]
+    slices = tokens.reshape(B // microbatches, microbatches, *tokens.shape[1:]).swapaxes(0, 1)  # [M, B/M, S+1]
+    if mesh is not None:
+        slices = jax.lax.with_sharding_constraint(slices, NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES)))
+
+    def keep_layout(grads):
+        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+    def one(total, rows):
+        (loss, aux), grads = value_and_grad(params, rows)
+        aux = {k: v for k, v in aux.items() if k != "ce_per_row"}
+        return keep_layout(jax.tree.map(jnp.add, total, grads)), (loss, aux)
+
+    zeros = keep_layout(jax.tree.map(jnp.zeros_like, params))
+    total, (losses, auxes) = jax.lax.scan(one, zeros, slices)
+    grads = jax.tree.map(lambda g: g / microbatches, total)
+    aux = {k: jnp.sum(v, axis=0) if k in SUMMED_AUX else jnp.mean(v, axis=0) for k, v in auxes.items()}
+    return (jnp.mean(losses), aux), grads
+
+
 def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
                     ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict]]:
     """A jitted `step(state, tokens [B, S+1], loss_ceiling [] = inf) -> (state, metrics)`.
@@ -68,7 +113,9 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     The old state's buffers are donated. With `monitor.skip_spikes`, a step whose loss exceeds
     `loss_ceiling` (the monitor's spike threshold; +inf while it has too little history) keeps the old
     params and optimizer state, decided on device so no host sync is needed. With a `mesh`, the new
-    state keeps the shardings of `state_shardings` (experts over "expert", the rest replicated).
+    state keeps the shardings of `state_shardings` (experts over "expert", the rest by `mesh.shard`).
+    With `train.microbatches` > 1 the gradients are accumulated over slices of the batch
+    (`accumulate_gradients`); the balancer, the monitor and the metrics see the whole step.
     """
     tx = make_optimizer(cfg.train)
     schedule = learning_rate(cfg.train)
@@ -76,11 +123,15 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     balancer = router.balancer(cfg.model.moe)
     dispatch = _dispatch(cfg, mesh)
 
-    def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
-        def loss_fn(params):
-            return transformer.loss(params, tokens, cfg.model, state.router_bias, dtype, dispatch=dispatch)
+    gather = _gather(cfg, mesh)
+    grad_shardings = None if mesh is None else state_shardings(cfg, mesh).params
 
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
+        def loss_fn(params, rows):
+            return transformer.loss(params, rows, cfg.model, state.router_bias, dtype, dispatch=dispatch, gather=gather)
+
+        (loss, aux), grads = accumulate_gradients(loss_fn, state.params, tokens, cfg.train.microbatches,
+                                                  mesh, grad_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skipped = jnp.logical_and(cfg.monitor.skip_spikes, loss > loss_ceiling)
@@ -116,10 +167,10 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
 def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """A jitted `eval(params, router_bias, tokens) -> mean CE per row [B]`."""
     dtype = compute_dtype(cfg)
-    dispatch = _dispatch(cfg, mesh)
+    dispatch, gather = _dispatch(cfg, mesh), _gather(cfg, mesh)
 
     def eval_step(params, router_bias, tokens):
-        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch)
+        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch, gather=gather)
         return aux["ce_per_row"]
 
     # Replicated, so every process can read it into numpy on a multi-host mesh.
@@ -192,6 +243,7 @@ def _jsonable(metrics: dict) -> dict:
 RESUME_SAFE = ("name", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                "train.mixture_snapshot_every",
                "data.store",  # a moved or copied store: its content hash is checked against the checkpoint's
+               "train.microbatches",  # how the same batch is cut for memory; the update is the same to rounding
                "checkpoint.", "monitor.", "plan.", "mesh.")
 
 

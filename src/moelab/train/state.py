@@ -44,11 +44,31 @@ def _decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on the configured schedule."""
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask),
-    )
+    """Clip by global norm, then AdamW on the configured schedule, its moments stored as `train.moment_dtype`."""
+    adamw = optax.adamw(learning_rate(cfg), b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=_decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), _stored_as(jnp.dtype(cfg.moment_dtype), adamw))
+
+
+def _stored_as(dtype: jnp.dtype, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` with its floating-point state kept in `dtype` between steps and updated in float32.
+
+    The identity for float32. Counters (integers) are untouched; the state's tree is the same, only
+    the moments' dtype differs.
+    """
+    if dtype == jnp.float32:
+        return tx
+
+    def cast(state, to):
+        return jax.tree.map(lambda a: a.astype(to) if jnp.issubdtype(a.dtype, jnp.floating) else a, state)
+
+    def init(params):
+        return cast(tx.init(params), dtype)
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)
 
 
 def init_state(cfg: RunConfig) -> TrainState:
@@ -60,8 +80,8 @@ def init_state(cfg: RunConfig) -> TrainState:
 
 
 def state_shardings(cfg: RunConfig, mesh: Mesh) -> TrainState:
-    """A `NamedSharding` for every leaf of the train state, by `moelab.parallel.mesh.param_spec`."""
-    return mesh_lib.state_shardings(jax.eval_shape(lambda: init_state(cfg)), mesh)
+    """A `NamedSharding` for every leaf of the train state under `cfg.mesh.shard` (`moelab.parallel.mesh`)."""
+    return mesh_lib.state_shardings(jax.eval_shape(lambda: init_state(cfg)), mesh, cfg.mesh.shard)
 
 
 def init_sharded_state(cfg: RunConfig, mesh: Mesh) -> TrainState:
