@@ -17,7 +17,7 @@ from moelab.config import DataConfig, RunConfig, from_dict, parse_overrides, rea
 from moelab.errors import ConfigError
 
 __all__ = ["out_console", "err_console", "print_problem", "EXIT_PREEMPTED", "PresetOpt", "ConfigArg", "SetOpt",
-           "JsonOpt", "DataOpt", "LedgerOpt", "DEFAULT_LEDGER", "resolve_config"]
+           "JsonOpt", "DataOpt", "mesh_fields", "LedgerOpt", "DEFAULT_LEDGER", "resolve_config"]
 
 # Tables keep their columns when piped to a file or another program (Rich would fold them to 80).
 out_console = Console(width=None if sys.stdout.isatty() else 160)  # results
@@ -59,3 +59,25 @@ def resolve_config(config: Path | None, preset: str | None, sets: list[str] | No
     # Paths given on the command line (--set data.store=...) mean the shell's folder: pin them, so the run's
     # config.yaml reads back the same from anywhere.
     return dataclasses.replace(cfg, data=from_dict(resolve_data_paths(to_dict(cfg.data), Path.cwd()), DataConfig))
+
+
+def mesh_fields(spec: str | None, sets: list[str] | None) -> dict:
+    """`--mesh replica=2,expert=4` as config overrides. A shortcut: expert > 1 also selects dispatch 'ep',
+    unless `--set model.moe.dispatch=...` names one (RunConfig then says whether the mesh can run it)."""
+    if spec is None:
+        return {}
+    example = "e.g. --mesh replica=2,expert=4"
+    fields = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("replica", "expert") or key in fields:
+            raise ConfigError(f"--mesh {spec!r} must name replica and/or expert once each as key=value, {example}.")
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            raise ConfigError(f"--mesh {key}={value!r} is invalid: must be an integer >= 1, {example}.") from None
+    updates = {f"mesh.{key}": value for key, value in fields.items()}
+    if fields.get("expert", 1) > 1 and "model.moe.dispatch" not in parse_overrides(sets or []):
+        updates["model.moe.dispatch"] = "ep"
+    return updates

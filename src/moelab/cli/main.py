@@ -1,6 +1,7 @@
 """The `moelab` command: a table of contents of commands, and `main()`, which turns errors into exit codes.
 
     moelab presets | flops | train | replan        one run (cli/train.py)
+    moelab plan                                    memory per device and communication per step (cli/plan.py)
     moelab demo                                    the open-lab loop `make demo` runs (cli/demo.py)
     moelab generate                                sample from a trained run (cli/generate.py)
     moelab export                                  safetensors / Hugging Face export of a run (cli/export.py)
@@ -29,6 +30,7 @@ from moelab.cli.export import export
 from moelab.cli.generate import generate
 from moelab.cli.lab import lab_app
 from moelab.cli.ladder import ladder_app
+from moelab.cli.plan import plan
 from moelab.cli.train import flops, presets_cmd, replan, train
 from moelab.errors import ConfigError, DataError, Preempted, SaveFailed
 
@@ -42,6 +44,7 @@ app.command("presets")(presets_cmd)
 app.command()(flops)
 app.command()(train)
 app.command()(replan)
+app.command()(plan)
 app.command()(demo)
 app.command()(generate)
 app.command()(export)

@@ -24,7 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from moelab import accounting, presets
-from moelab.cli.common import ConfigArg, DataOpt, JsonOpt, PresetOpt, SetOpt, err_console, out_console, resolve_config
+from moelab.cli.common import (ConfigArg, DataOpt, JsonOpt, PresetOpt, SetOpt, err_console, mesh_fields, out_console,
+                               resolve_config)
 from moelab.config import RunConfig, load_yaml, parse_overrides, to_dict
 from moelab.errors import ConfigError
 
@@ -113,7 +114,7 @@ def train(
 
         os.environ[REHASH_ENV] = "1"  # the environment, so data workers and Ray tasks re-hash too
     cfg = resolve_config(config, preset, sets, data, **{"train.steps": steps, "train.seed": seed,
-                                                  "checkpoint.every": checkpoint_every, **_mesh_fields(mesh, sets)})
+                                                  "checkpoint.every": checkpoint_every, **mesh_fields(mesh, sets)})
     watchers = []
     if predicted is not None:
         if not predicted.is_file():
@@ -145,28 +146,6 @@ def _wandb_sink(cfg: RunConfig, out: Path, name: str | None):
     if not tracking.wandb_available():
         raise ConfigError("--wandb needs the wandb package: pip install 'moelab[wandb]' (or drop --wandb).")
     return tracking.WandbSink(out, to_dict(cfg), name or cfg.name)
-
-
-def _mesh_fields(spec: str | None, sets: list[str] | None) -> dict:
-    """`--mesh replica=2,expert=4` as config overrides. A shortcut: expert > 1 also selects dispatch 'ep',
-    unless `--set model.moe.dispatch=...` names one (RunConfig then says whether the mesh can run it)."""
-    if spec is None:
-        return {}
-    example = "e.g. --mesh replica=2,expert=4"
-    fields = {}
-    for part in spec.split(","):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        if not sep or key not in ("replica", "expert") or key in fields:
-            raise ConfigError(f"--mesh {spec!r} must name replica and/or expert once each as key=value, {example}.")
-        try:
-            fields[key] = int(value)
-        except ValueError:
-            raise ConfigError(f"--mesh {key}={value!r} is invalid: must be an integer >= 1, {example}.") from None
-    updates = {f"mesh.{key}": value for key, value in fields.items()}
-    if fields.get("expert", 1) > 1 and "model.moe.dispatch" not in parse_overrides(sets or []):
-        updates["model.moe.dispatch"] = "ep"
-    return updates
 
 
 def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = (), sinks: Sequence[Sink] = ()) -> dict:
