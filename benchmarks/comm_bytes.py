@@ -20,15 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
-import re
 import sys
-
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-               "f64": 8, "s64": 8, "u64": 8}
-
 
 def _parse_mesh(spec: str) -> tuple[int, int]:
     fields = dict(part.split("=") for part in spec.split(","))
@@ -43,77 +37,11 @@ if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.e
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_n}".strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from moelab import presets  # noqa: E402
 from moelab.config import MeshConfig, RunConfig, override  # noqa: E402
 from moelab.parallel import ep  # noqa: E402
-from moelab.parallel import mesh as mesh_lib  # noqa: E402
-from moelab.train.loop import make_train_step  # noqa: E402
-from moelab.train.state import init_state, state_shardings  # noqa: E402
-
-
-# ----------------------------------------------------------------------------------------------
-# reading the HLO
-
-
-def _shape_bytes(types: str) -> int:
-    """Bytes of an HLO type or tuple of types, e.g. `(f32[1,13,32]{2,1,0}, s32[1,13]{1,0})`."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", types):
-        if dtype in DTYPE_BYTES:
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            total += n * DTYPE_BYTES[dtype]
-    return total
-
-
-def all_to_all_bytes(hlo: str) -> int:
-    """Bytes through all-to-all per execution of the module's entry computation, per device.
-
-    Walks from ENTRY: an all-to-all adds its result's bytes; a while loop adds its body's total
-    times its `known_trip_count` (an unknown trip count raises rather than guessing); a conditional
-    adds its largest branch; any other called computation (call, async wrappers) adds its total once.
-    """
-    computations: dict[str, list[str]] = {}
-    entry = current = None
-    for line in hlo.splitlines():
-        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header:
-            current = header.group(2)
-            computations[current] = []
-            entry = current if header.group(1) else entry
-        elif current is not None and line.startswith("  "):
-            computations[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-
-    @functools.cache
-    def total(name: str) -> int:
-        count = 0
-        for line in computations[name]:
-            op = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z\-]+)\(", line)
-            if not op:
-                continue
-            result, opcode = op.groups()
-            if opcode == "all-to-all":
-                count += _shape_bytes(result)
-            elif opcode == "while":
-                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                if trips is None:
-                    raise ValueError(f"while loop {body} has no known trip count; cannot count its all-to-alls")
-                count += int(trips.group(1)) * total(body)
-            elif opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
-                count += max(total(b.strip().lstrip("%")) for b in branches.split(","))
-            else:
-                for called in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
-                    count += total(called)
-        return count
-
-    return total(entry)
+from moelab.train import memory_plan  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,17 +81,7 @@ def expected_bytes(cfg: RunConfig) -> int:
 
 def compiled_all_to_all_bytes(cfg: RunConfig) -> int:
     """Compiles one train step on cfg.mesh (abstract inputs; nothing runs) and counts its all-to-all bytes."""
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    shapes = jax.eval_shape(lambda: init_state(cfg))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                         state_shardings(cfg, mesh))
-    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=mesh_lib.batch_sharding(mesh))
-    lowered = make_train_step(cfg, mesh).lower(state, tokens, jnp.float32(jnp.inf))
-    # Only the HLO is read, never run: LLVM's optimizations would double the compile time and they
-    # come after the HLO passes that place the collectives (the HLO text is the same without them).
-    compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
-    return all_to_all_bytes(compiled.as_text())
+    return memory_plan.collective_bytes(memory_plan.compile_step(cfg).as_text())["all-to-all"]
 
 
 def measure(cfg: RunConfig, mesh: MeshConfig, waves: tuple[int, ...] = (1, 3)) -> dict:
