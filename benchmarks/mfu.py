@@ -266,6 +266,11 @@ def main() -> None:
     runs = [r.split(":") for r in args.run] or [[args.preset, args.backend]]
     if len(runs) > 1 and args.out_dir is None:
         parser.error("several --run need --out-dir")
+    if args.out_dir is not None:  # a folder that does not exist yet is made; a file in its place is an error
+        try:
+            Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out-dir {args.out_dir}: cannot make that folder ({e.strerror or e})")
     if not args.matmul_only:  # a typo exits 2 here, before the matmul peak or any run
         for preset, backend in runs:
             try:

@@ -61,7 +61,7 @@ def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, mo
 def test_mesh_with_experts_selects_dispatch_ep_unless_set_names_a_dispatch():
     """`--mesh expert>1` is a shortcut for `--set model.moe.dispatch=ep`; a dispatch given with --set is left
     to RunConfig, which refuses one the mesh cannot run (the bad-input case above)."""
-    from moelab.cli.train import _mesh_fields
+    from moelab.cli.common import mesh_fields as _mesh_fields
 
     assert _mesh_fields("replica=2,expert=4", None) == {"mesh.replica": 2, "mesh.expert": 4,
                                                         "model.moe.dispatch": "ep"}

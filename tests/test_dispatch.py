@@ -354,3 +354,17 @@ def test_grouped_dispatch_needs_widths_that_are_multiples_of_16():
     with pytest.raises(ConfigError, match=r"model.moe.latent_dim=40 .*multiple of 16"):
         ModelConfig(d_model=64, moe=MoEConfig(expert_dim=32, latent_dim=40, dispatch="grouped"))
     ModelConfig(d_model=64, moe=MoEConfig(expert_dim=32, latent_dim=48, dispatch="grouped"))
+
+
+def test_dropless_on_a_gpu_is_refused_naming_grouped(monkeypatch):
+    """Issue 39: on the H200, `dropless` (ragged_dot's dense GPU fallback) asked for 112.5 GiB and crashed
+    out of memory; it is now refused before anything is compiled, naming the fast dropless path."""
+    from moelab.config import MoEConfig
+    from moelab.errors import ConfigError
+    from moelab.model.dispatch import make_dispatch
+
+    cfg = MoEConfig(num_experts=8, num_experts_per_token=2, expert_dim=16, dispatch="dropless")
+    assert make_dispatch(cfg) is not None  # on this CPU it runs
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="model.moe.dispatch=grouped"):
+        make_dispatch(cfg)

@@ -104,6 +104,8 @@ def _assert_profile(profile: dict) -> None:
     ("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN", "matmul"),
     ("gemm_fusion_dot_123", "matmul"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_wgmma_f16", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_wgmma_tilesize128x256x64", "matmul"),
     ("ncclDevKernel_SendRecv", "collectives"),
     ("loop_gather_fusion_4", "row moves"),
     ("void cub::DeviceRadixSortOnesweepKernel", "sort"),
@@ -432,3 +434,11 @@ def test_benchmark_scripts_exit_2_on_bad_arguments_before_any_work(script, argv,
         {"mfu": mfu, "moe_layer": moe_layer, "suite_table": suite_table}[script].main()
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_mfu_makes_an_out_dir_that_does_not_exist_yet(tmp_path, monkeypatch, capsys):
+    """Issue 39: `--out-dir` of a new folder was a traceback at the end of the run."""
+    out = tmp_path / "new" / "folder"
+    monkeypatch.setattr(sys, "argv", ["mfu.py", "--matmul-only", "--tiny", "--out-dir", str(out), "--json"])
+    mfu.main()
+    assert json.loads((out / "matmul.json").read_text())["status"] == "ok"

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moelab.config import MoEConfig
+from moelab.errors import ConfigError
 from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
@@ -271,7 +272,13 @@ def make_dispatch(cfg: MoEConfig) -> Dispatch:
 
     Raises:
         ValueError: `cfg.dispatch` is not one of `BACKENDS` (`ep` needs a mesh).
+        ConfigError: `dropless` on a GPU, naming `grouped`, its fast path there.
     """
+    if cfg.dispatch == "dropless" and jax.default_backend() == "gpu":
+        raise ConfigError(
+            "model.moe.dispatch='dropless' does not run on a GPU: XLA lowers jax.lax.ragged_dot there to a dense "
+            "fallback, which asked for 112.5 GiB at 16,384 tokens on an H200 (2026-12-04). Use "
+            "--set model.moe.dispatch=grouped: the same dropless function through moelab's Pallas grouped GEMM.")
     if cfg.dispatch == "capacity":
         return functools.partial(capacity, capacity_factor=cfg.capacity_factor)
     backends = {"dense": dense, "dropless": dropless, "grouped": grouped}
