@@ -45,7 +45,11 @@ def test_the_frontiers_published_ladder_is_the_ladder_presets_on_the_frontiers_m
     recipe = preset_recipe("frontier-535b")
     rungs = rungs_of(recipe)
     assert [r.model for r in rungs] == [presets.get(f"ladder-d{d}").model for d, _ in presets.FRONTIER_LADDER]
-    assert all(r.mesh == recipe.target.mesh and r.model.moe.dispatch == "ep" for r in rungs)
+    # A rung keeps the target's rack (expert parallelism and layout) but runs on one rack in one pass:
+    # how the target's 11 racks and 16 microbatches split its batch is not recipe (issue 38).
+    one_rack = replace(recipe.target.mesh, replica=1)
+    assert all(r.mesh == one_rack and r.train.microbatches == 1 and r.model.moe.dispatch == "ep" for r in rungs)
+    assert recipe.target.mesh.replica == 11
     with pytest.raises(ConfigError, match="'tiny' has no published ladder.*frontier-535b"):
         preset_recipe("tiny")
 
