@@ -369,7 +369,8 @@ def test_attention_falls_back_to_xla_with_a_warning_when_cudnn_declines(monkeypa
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("backend", ["grouped", "capacity", "ep", "dropless"])
+# Not `dropless`: on a GPU it is refused before lowering (tests/test_dispatch.py, issue 39).
+@pytest.mark.parametrize("backend", ["grouped", "capacity", "ep"])
 def test_gpu_medium_train_step_lowers_for_cuda_donated_and_without_host_callbacks(backend, monkeypatch):
     """The real gpu-medium step (full shapes, abstract arrays) exported for CUDA on this CPU machine.
 

@@ -39,8 +39,10 @@ def test_the_state_it_counts_is_what_the_shardings_put_on_a_device(shard):
         assert counted["moments"] < memory_plan.state_bytes(_tiny_on("replicate"))["moments"]
 
 
+@pytest.mark.slow
 def test_the_tiny_plan_is_within_10_percent_of_xla_on_8_devices():
-    """The real train step compiled on 8 simulated devices in a child process, ~10 s. Measured: -6.7%."""
+    """`slow`: the real train step compiled on 8 simulated devices in a child process, ~10 s, and `make test`
+    is near its 8 minutes; the fast suite keeps the state count exact (above). Measured: -6.7%."""
     row = load_benchmark("plan_vs_xla").measure("tiny")
     assert abs(row["plan_vs_xla"]) <= 0.10, row
     assert row["comm_bytes_compiled"]["all-to-all"] > 0  # the ep step's exchanges, read from its HLO
