@@ -59,8 +59,10 @@ def _positive_int(name: str, value: Any) -> None:
 def _positive_int_or_null(name: str, value: Any, unset_means: str) -> None:
     """A field that may be unset (None) but not 0: the message says how to unset it, since `=0` is the
     spelling a user reaches for first."""
-    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
-           f"must be an integer >= 1, or null to unset it ({unset_means}): --set {name}=null")
+    try:
+        _positive_int(name, value)
+    except ConfigError as e:
+        raise ConfigError(f"{str(e).removesuffix('.')}, or null to unset it ({unset_means}): --set {name}=null.") from None
 
 
 def _non_negative_int(name: str, value: Any) -> None:

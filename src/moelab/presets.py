@@ -80,7 +80,7 @@ def _frontier() -> RunConfig:
         model=model,
         # 11 racks of 64 (the seed's 704 GPUs): 16 sequences per device, run one at a time (microbatches=16),
         # non-expert state split across each rack and bfloat16 Adam moments: `moelab plan` puts this at
-        # ~170 GB a device against 186 GB of HBM (docs/scaling-out.md).
+        # 161 GB a device against 186 GB of HBM (XLA on CPU, attention unfused: 170 GB; docs/scaling-out.md).
         train=TrainConfig(steps=steps, batch_size=FRONTIER_BATCH, lr=3e-4, warmup_steps=2000, eval_every=1000,
                           compute_dtype="bfloat16", moment_dtype="bfloat16", microbatches=16),
         mesh=MeshConfig(replica=11, expert=64, shard="full"),

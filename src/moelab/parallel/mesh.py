@@ -235,8 +235,7 @@ def gather_for_use(mesh: Mesh) -> Callable[[Any], Any]:
     split weight. Gathering the weight moves one layer's parameters, the same bytes whatever the batch.
     """
     def gather(layer: Any) -> Any:
-        return jax.lax.with_sharding_constraint(
-            layer, jax.tree_util.tree_map_with_path(lambda path, leaf: NamedSharding(mesh, param_spec(path, leaf)), layer))
+        return jax.lax.with_sharding_constraint(layer, state_shardings(layer, mesh))  # "replicate": by param_spec
     return gather
 
 

@@ -124,7 +124,8 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     dispatch = _dispatch(cfg, mesh)
 
     gather = _gather(cfg, mesh)
-    grad_shardings = None if mesh is None else state_shardings(cfg, mesh).params
+    shardings = None if mesh is None else state_shardings(cfg, mesh)
+    grad_shardings = None if shardings is None else shardings.params
 
     def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
         def loss_fn(params, rows):
@@ -161,7 +162,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
 
     if mesh is None:
         return jax.jit(step, donate_argnums=0)
-    return jax.jit(step, donate_argnums=0, out_shardings=(state_shardings(cfg, mesh), None))
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
 
 
 def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:

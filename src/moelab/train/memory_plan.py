@@ -7,7 +7,7 @@ Counted before launch, nothing allocated. The state terms are exact: every leaf 
 abstract tree, divided by the devices `parallel.mesh.leaf_spec` splits it over. The activations are
 what JAX itself saves for the backward pass of `transformer.loss` on one device's microbatch, under the
 config's remat policy (`saved_residuals` of the traced program: the same residuals the compiled step
-keeps), plus the one block that a rematerialized backward recomputes at a time. Two phases of the step
+keeps), plus the backward's working set (`activation_bytes`). Two phases of the step
 peak: the backward (one microbatch's gradient, the running gradient sum, the activations, one gathered
 layer) and the update (the gradient, Adam's update, float32 copies of the moments of the largest array).
 The peak is the state plus the larger phase.
@@ -230,13 +230,19 @@ def _layer_split(cfg: RunConfig) -> tuple[int, int, int]:
     return layer, top, experts
 
 
-def communication(cfg: RunConfig) -> dict[str, int]:
-    """Bytes one device sends per step, by collective (what the layout implies; see the module docstring)."""
+def _rows_per_microbatch(cfg: RunConfig) -> int:
+    """Sequences one device runs at once."""
+    return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
+
+
+def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None) -> dict[str, int]:
+    """Bytes one device sends per step, by collective (what the layout implies; see the module docstring).
+    `split`: `_layer_split(cfg)` where the caller has it already."""
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
     model, moe = cfg.model, cfg.model.moe
     L, S = model.num_layers, model.seq_len
-    rows = cfg.train.batch_size // (R * X * M)
-    layer, top, experts = _layer_split(cfg)
+    rows = _rows_per_microbatch(cfg)
+    layer, top, experts = split or _layer_split(cfg)
     non_expert = L * layer + top
     passes = 3 if model.remat == "full" else 2  # forward, backward, and the forward recomputed under remat
     out = {"all_to_all": 0, "all_gather": 0, "reduce_scatter": 0, "all_reduce_in_rack": 0, "all_reduce_across_racks": 0}
@@ -263,28 +269,29 @@ def communication(cfg: RunConfig) -> dict[str, int]:
 def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: Links = Links()) -> Plan:
     """The per-device memory of `cfg`'s train step on `cfg.mesh` and its communication per step."""
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
-    rows = cfg.train.batch_size // (R * X * M)
+    rows = _rows_per_microbatch(cfg)
     state = state_bytes(cfg)
     grads = state["params"]  # float32, in the params' layout
-    layer, top, experts = _layer_split(cfg)
+    split = _layer_split(cfg)
+    layer, top, _ = split
+    grad_sum = grads if M > 1 else 0
+    activations = activation_bytes(cfg, rows, platform)
     gathered = 2 * (layer + top) if cfg.mesh.shard == "full" and X > 1 else 0  # one layer + embeddings, and grads
-    moments_f32 = 0
-    if cfg.train.moment_dtype != "float32":  # the update reads the largest array's two moments in float32
-        moments_f32 = 2 * state["largest_param"]
+    # The update reads the largest array's two moments in float32 when they are stored narrower.
+    moments_f32 = 2 * state["largest_param"] if cfg.train.moment_dtype != "float32" else 0
+    backward = grad_sum + activations + gathered
+    update = grads + moments_f32  # Adam's update, the size of the gradient, and the float32 moments of one array
     terms = {
         "params": state["params"],
         "moments": state["moments"],
         "grads": grads,
-        "grad_sum": grads if M > 1 else 0,
-        "activations": activation_bytes(cfg, rows, platform),
+        "grad_sum": grad_sum,
+        "activations": activations,
         "gathered": gathered,
-        "update": 0,
+        "update": max(0, update - backward),  # only what the update phase needs beyond the backward's peak
         "other_state": state["other_state"],
     }
-    backward = terms["grad_sum"] + terms["activations"] + gathered
-    update = grads + moments_f32  # Adam's update, the size of the gradient, and the float32 moments of one array
-    terms["update"] = max(0, update - backward)  # only what the update phase needs beyond the backward's peak
-    comm = communication(cfg)
+    comm = communication(cfg, split)
     seconds = {k: v / (links.network if k == "all_reduce_across_racks" else links.nvlink) for k, v in comm.items()}
     return Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
                 rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
