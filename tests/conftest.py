@@ -35,11 +35,12 @@ import pytest  # noqa: E402  (after the environment above, which must precede an
 
 # The heaviest files first, as measured by benchmarks/suite_time.py (issue 27): the two workers take one file
 # at a time in this order (`--no-loadscope-reorder`), so the long files start early and the short ones fill
-# in at the end instead of one worker finishing a long file alone. The first three are all `slow` (they lead
+# in at the end instead of one worker finishing a long file alone. test_readme.py leads (its `slow` quick-start
+# run takes ~3 minutes; its fast checks are seconds), then three files that are all `slow` (they lead
 # `make test-slow`); then `make test`'s. Unlisted files keep pytest's order after these; a name here that no
 # longer exists only costs its place.
-HEAVY_FIRST = ("test_readme.py", "test_multiprocess.py", "test_ray_cluster.py", "test_ladder_forecast.py", "test_dispatch.py",
-               "test_router_balance.py", "test_checkpoint.py", "test_faults.py", "test_parallel.py",
+HEAVY_FIRST = ("test_readme.py", "test_multiprocess.py", "test_ray_cluster.py", "test_ladder_forecast.py",
+               "test_sharded_state.py", "test_dispatch.py", "test_router_balance.py", "test_checkpoint.py", "test_faults.py", "test_parallel.py",
                "test_bundle.py", "test_site.py", "test_generate.py", "test_monitor.py", "test_model.py", "test_report.py",
                "test_export.py", "test_arithmetic_task.py", "test_train.py", "test_object_storage.py",
                "test_executor.py", "test_multihost_writes.py", "test_tracking.py", "test_gpu_suite.py",
