@@ -103,7 +103,8 @@ def peak_memory_bytes() -> int | None:
 
 def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budget_s: float,
                     profile: bool = False, on_timed=None) -> dict:
-    """Median seconds per step of the real train step, and the steps per window actually timed.
+    """Median seconds per step of the real train step, the steps per window actually timed, and the
+    fraction of routed assignments dropped at every step run (`drop_fractions`, from the compiling one on).
 
     If the last warm-up step says `windows x steps` would take longer than `budget_s`, fewer steps
     are timed (at least one per window), so a slow backend still finishes. With `profile`, two more
@@ -117,14 +118,18 @@ def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budge
     shape = (cfg.train.batch_size, cfg.model.seq_len + 1)
     batches = [mesh_lib.place_batch(rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32), mesh)
                for _ in range(2)]
+    drops = []  # every step's drop fraction, on device until a window's end
+
     compile_start = time.perf_counter()
     state, metrics = step(state, batches[0])
+    drops.append(metrics["drop_fraction"])
     jax.block_until_ready(metrics)
     first_step_s = time.perf_counter() - compile_start
     step_s = first_step_s
     for i in range(warmup):
         start = time.perf_counter()
         state, metrics = step(state, batches[i % 2])
+        drops.append(metrics["drop_fraction"])
         jax.block_until_ready(metrics)
         step_s = time.perf_counter() - start
     steps = max(1, min(steps, int(budget_s / max(windows * step_s, 1e-9))))
@@ -133,11 +138,14 @@ def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budge
         start = time.perf_counter()
         for i in range(steps):
             state, metrics = step(state, batches[i % 2])
+            drops.append(metrics["drop_fraction"])
         jax.block_until_ready(metrics)
         per_step.append((time.perf_counter() - start) / steps)
+    drops = [float(d) for d in drops]
     timing = {"step_time_s": statistics.median(per_step), "window_step_times_s": per_step, "steps": steps,
               "first_step_s": first_step_s, "final_loss": float(metrics["loss"]),
-              "drop_fraction": float(metrics["drop_fraction"])}
+              "drop_fraction": drops[-1], "drop_fraction_first": drops[0], "drop_fraction_mean": statistics.mean(drops),
+              "drop_fractions": drops}
     if profile:
         if on_timed is not None:
             on_timed(dict(timing))
@@ -284,12 +292,11 @@ def main() -> None:
                     "jax": jax.__version__, "datasheet_peak_flops": DATASHEET_PEAK, "matmul_n": peak["n"],
                     "matmul_seconds": peak["seconds"], "matmul_peak_flops": peak["flops_per_s"],
                     "fraction_of_datasheet": peak["flops_per_s"] / DATASHEET_PEAK, "status": "ok"}]
-        names = ["matmul.json"]
     else:
-        results = [run_one(preset, backend or None, args, peak) for preset, backend in runs]
-        names = [result_path("", r).name for r in results]
-    for name, result in zip(names, results):
+        results = (run_one(preset, backend or None, args, peak) for preset, backend in runs)
+    for result in results:  # each run's file is written as it finishes: a process killed later keeps it
         if args.out_dir is not None:
+            name = "matmul.json" if args.matmul_only else result_path("", result).name
             write_json(Path(args.out_dir) / name, result)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2), flush=True)
 

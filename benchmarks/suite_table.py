@@ -1,4 +1,4 @@
-"""Renders a `gpu_suite.sh` output folder as Markdown tables, checks issue 9's targets, records it.
+"""Renders a `gpu_suite.sh` output folder as Markdown tables, checks issue 39's targets, records it.
 
     python benchmarks/suite_table.py OUTDIR
     python benchmarks/suite_table.py OUTDIR --record benchmarks/results/h200-2026-12-01.json
@@ -28,10 +28,10 @@ MFU_RUNS = tuple((p, b) for p in MOE_PRESETS for b in MOE_BACKENDS) + tuple((f"{
 EXPECTED_FILES = ("matmul.json", "moe_layer.json", *(f"mfu_{p}_{b}.json" for p, b in MFU_RUNS))
 
 
-# Issue 9's bars: the MoE layer 1.15x torchtitan's compiled 409 TFLOP/s, gpu-medium's step at 45% MFU
-# of the datasheet peak, and MoE tokens/s at least 0.85x the equal-FLOP dense model's.
+# Issue 39's bars (issue 9's, MFU lowered to 40%): the MoE layer 1.15x torchtitan's compiled 409 TFLOP/s,
+# gpu-medium's step at 40% MFU of the datasheet peak, and MoE tokens/s at least 0.85x the equal-FLOP dense model's.
 LAYER_TARGET_TFLOPS = 470.0
-MFU_TARGET = 0.45
+MFU_TARGET = 0.40
 DENSE_RATIO_TARGET = 0.85
 ISSUE_LAYER_SHAPE = (16384, 2048, 64, 8, 1024)  # the layer benchmark's tokens, d, experts, top-k, width
 
@@ -122,17 +122,18 @@ def render(out: Path) -> str:
                       f"{'' if check.get('status') == 'ok' else ' (' + str(check.get('error', ''))[:80] + ')'}"]
     lines += _breakdown(layer)
     lines += ["", "Train step (median after warm-up):", "",
-              "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | peak GiB | attention "
-              "| status |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | drop first / mean "
+              "| peak GiB | attention | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, b in MFU_RUNS:
         r = _load(out / f"mfu_{p}_{b}.json")
         if r.get("status") != "ok":
-            lines.append(f"| {p} | {b} | - | - | - | - | - | - | - | {r.get('status')}: {str(r.get('error', ''))[:60]} |")
+            lines.append(f"| {p} | {b} | - | - | - | - | - | - | - | - | {r.get('status')}: {str(r.get('error', ''))[:60]} |")
             continue
         mem = r.get("peak_memory_bytes")
+        drops = f"{_num(r.get('drop_fraction_first'), '.3f')} / {_num(r.get('drop_fraction_mean'), '.3f')}"
         lines.append(f"| {p} | {b} | {r['batch_size']} x {r['seq_len']} | {r['step_time_s'] * 1e3:.1f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured_peak']:.1%} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured_peak']:.1%} | {drops} | "
                      f"{_num(mem and mem / 2**30, '.1f')} | {r.get('attention', '-')} | ok{' (tiny)' if r.get('tiny') else ''} |")
     lines += _profiles(out, layer)
     return "\n".join(lines)
@@ -148,7 +149,7 @@ def _best(runs: dict[str, dict], key: str) -> tuple[str | None, float | None]:
 
 
 def targets(out: Path) -> list[dict]:
-    """Issue 9's three bars, each with the best measured figure, the run it came from and a verdict:
+    """Issue 39's bars, each with the best measured figure, the run it came from and a verdict:
     "met", "missed", "not measured" when no run of that kind finished, or "n/a (no GPU)" / "n/a (tiny
     shapes)", whose figures say nothing about the bars. `grouped` layer speeds count only when its
     kernel passed the check against `capacity`."""
@@ -177,7 +178,7 @@ def targets(out: Path) -> list[dict]:
 
 
 def render_targets(out: Path) -> str:
-    lines = ["Issue 9's targets:", "", "| target | bar | best | run | verdict |", "|---|---|---|---|---|"]
+    lines = ["Issue 39's targets:", "", "| target | bar | best | run | verdict |", "|---|---|---|---|---|"]
     for t in targets(out):
         fmt = ".1f" if t["bar"] > 1 else ".1%" if "MFU" in t["target"] else ".2f"
         lines.append(f"| {t['target']} | {format(t['bar'], fmt)} | {_num(t['value'], fmt)} | {t['best_run'] or '-'} | "

@@ -22,6 +22,7 @@ from moelab.errors import ConfigError
         ({"model.moe.capacity_factor": -1.0}, "model.moe.capacity_factor"),
         ({"model.moe.dispatch": "magic"}, "model.moe.dispatch"),
         ({"train.lr": -1.0}, "train.lr"),
+        ({"model.embed_std": 0.0}, "model.embed_std"),
         ({"train.steps": 0}, "train.steps"),
         ({"model.moe.num_experts": 6, "mesh.expert": 4}, "model.moe.num_experts"),
         ({"train.batch_size": 6, "mesh.expert": 4}, "train.batch_size"),

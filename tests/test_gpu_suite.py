@@ -443,3 +443,93 @@ def test_mfu_makes_an_out_dir_that_does_not_exist_yet(tmp_path, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", ["mfu.py", "--matmul-only", "--tiny", "--out-dir", str(out), "--json"])
     mfu.main()
     assert json.loads((out / "matmul.json").read_text())["status"] == "ok"
+
+
+# A stand-in for the suite's python on the GPU path: it logs each call, writes the files the real script would
+# (status ok), sleeps $FAKE_SLEEP seconds when asked, and hands suite_table.py to the real interpreter.
+FAKE_PYTHON = r'''#!/usr/bin/env bash
+case "$*" in *suite_table.py*) exec "$REAL_PYTHON" "$@";; esac
+echo "$*" >> "$FAKE_LOG"
+out_dir="" out="" runs=()
+while [ $# -gt 0 ]; do
+  case "$1" in --out-dir) out_dir=$2; shift;; --out) out=$2; shift;; --run) runs+=("$2"); shift;;
+               --matmul-only) runs+=(matmul);; esac; shift
+done
+for r in "${runs[@]}"; do
+  [ -n "${FAKE_SLEEP:-}" ] && sleep "$FAKE_SLEEP"
+  if [ "$r" = matmul ]; then
+    echo '{"status": "ok", "device": "fake", "matmul_n": 8, "matmul_peak_flops": 1e12, "fraction_of_datasheet": 0.001}' \
+      > "$out_dir/matmul.json"
+  else
+    printf '{"status": "ok", "preset": "%s", "backend": "%s", "batch_size": 1, "seq_len": 8, "step_time_s": 1.0, '\
+'"tokens_per_s": 8.0, "mfu_datasheet": 0.1, "mfu_measured_peak": 0.2}\n' "${r%%:*}" "${r##*:}" \
+      > "$out_dir/mfu_${r%%:*}_${r##*:}.json"
+  fi
+done
+[ -n "$out" ] && printf '{"status": "ok", "backends": {}}\n' > "$out"
+exit 0
+'''
+
+
+def _suite_on_gpu_path(tmp_path: Path, **env_extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "calls.log"
+    env = {**os.environ, "MOELAB_SUITE_TINY": "0", "MOELAB_PYTHON": str(fake), "REAL_PYTHON": sys.executable,
+           "FAKE_LOG": str(log), **env_extra}
+    proc = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), str(out)], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    return proc, log.read_text().splitlines() if log.exists() else []
+
+
+def test_gpu_path_writes_every_file_with_dropless_refused_and_few_processes(tmp_path):
+    """Issue 39: on a GPU the train-step runs share processes, the issue's figures come first, and
+    dropless (refused on a GPU) gets a file naming grouped instead of an out-of-memory crash."""
+    proc, calls = _suite_on_gpu_path(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "out"
+    statuses = {name: json.loads((out / name).read_text())["status"] for name in suite_table.EXPECTED_FILES}
+    assert statuses == {name: "refused" if "dropless" in name else "ok" for name in suite_table.EXPECTED_FILES}
+    assert "grouped" in json.loads((out / "mfu_gpu-medium_dropless.json").read_text())["error"]
+    assert not any("dropless" in call for call in calls)
+    assert len(calls) == 7  # matmul, three train-step processes, three layer parts
+    assert "--matmul-only" in calls[0] and "--run gpu-medium:grouped" in calls[1] and "--profile" in calls[1]
+
+
+def test_gpu_path_stubs_what_the_budget_leaves_out(tmp_path):
+    """A run that would start with under 20 s of the budget left is not started; its files say why."""
+    proc, calls = _suite_on_gpu_path(tmp_path, MOELAB_SUITE_BUDGET_S="27", FAKE_SLEEP="1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "out"
+    statuses = {name: json.loads((out / name).read_text())["status"] for name in suite_table.EXPECTED_FILES}
+    assert statuses["matmul.json"] == "ok" and statuses["mfu_gpu-medium_grouped.json"] == "ok"
+    assert statuses["mfu_gpu-small-dense_dense.json"] == "skipped"
+    assert "suite budget of 27s" in (out / "mfu_gpu-small-dense_dense.json").read_text()
+
+
+early_training = load_benchmark("early_training")
+
+
+@pytest.mark.slow
+def test_early_training_records_both_curves_step_by_step(tmp_path, monkeypatch, capsys):
+    """Issue 39's measurement on the tiny preset: the MoE and its dense twin on the same batches.
+
+    `slow`: two train steps compiled (MoE and dense, ~25 s on 2 cores); the GPU presets' runs are the
+    benchmark's, not the suite's."""
+    out = tmp_path / "early.json"
+    monkeypatch.setattr(sys, "argv", ["early_training.py", "--preset", "tiny", "--steps", "3", "--data", "text",
+                                      "--set", "model.embed_std=1.0", "--out", str(out), "--json"])
+    early_training.main()
+    result = json.loads(out.read_text())
+    assert result["set"] == ["model.embed_std=1.0"] and result["steps"] == 3
+    moe_curve, dense_curve = result["moe"], result["dense"]
+    assert len(moe_curve["loss"]) == len(dense_curve["loss"]) == 3
+    assert all(0 <= d <= 1 for d in moe_curve["drop_fraction"]) and dense_curve["drop_fraction"] == [0.0] * 3
+    assert len(moe_curve["drop_by_layer"][0]) == presets.get("tiny").model.num_layers
+    assert moe_curve["loss"][0] == pytest.approx(dense_curve["loss"][0], rel=0.05)  # both start near log V
+
+
+def test_early_training_names_a_set_without_a_value():
+    with pytest.raises(SystemExit, match="write FIELD=VALUE"):
+        early_training.configure("tiny", None, None, ["model.embed_std"])

@@ -282,3 +282,29 @@ def test_a_few_adam_steps_fit_a_fixed_batch():
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_lm_head_backward_is_autodiffs_in_float32_and_runs_in_bfloat16_under_bf16():
+    """Issue 39: the head's backward matmuls took the float32 cotangent of the logits (tf32 on a GPU)."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 3, 16), jnp.float32)
+    w = jax.random.normal(kw, (16, 40), jnp.float32)
+    g = jax.random.normal(kg, (2, 3, 40), jnp.float32)
+
+    def plain(x, w):
+        return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
+    ours, reference = jax.vjp(transformer.lm_head, x, w), jax.vjp(plain, x, w)
+    np.testing.assert_array_equal(ours[0], reference[0])
+    for a, b in zip(ours[1](g), reference[1](g)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, w, g: jax.vjp(transformer.lm_head, x, w)[1](g))(xb, wb, g)
+    dots = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "dot_general"]
+    assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for eqn in dots for v in eqn.invars)
+    dx, dw = jax.vjp(transformer.lm_head, xb, wb)[1](g)
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16)
+    exact = jax.vjp(plain, xb.astype(jnp.float32), wb.astype(jnp.float32))[1](g)
+    for a, b in zip((dx, dw), exact):
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.05)

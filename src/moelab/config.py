@@ -186,6 +186,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     z_loss_weight: float = 0.0  # weight of the squared log-partition term; 0 disables it
+    # Init std of the token embedding. Against 0.02, attention's output at init (close to each
+    # sequence's running mean) outgrows the tokens within two layers, and every token of a sequence
+    # routes alike (issue 39, benchmarks/early_training.py).
+    embed_std: float = 0.02
     remat: str = "none"  # none: save everything; dots: save matmul outputs, recompute the rest; full: save inputs
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -213,6 +217,7 @@ class ModelConfig:
         )
         _check(self.rope_theta > 0, p + "rope_theta", self.rope_theta, "must be > 0")
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
+        _check(self.embed_std > 0, p + "embed_std", self.embed_std, "must be > 0")
         _one_of(p + "remat", self.remat, REMAT)
         _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
         if self.moe.latent_dim is not None:

@@ -25,7 +25,7 @@ from moelab.model import moe
 from moelab.model.dispatch import EXPERT_MATMUL, Dispatch, make_dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
 
-__all__ = ["init", "init_router_bias", "apply", "loss", "attention", "causal_attention", "apply_rope"]
+__all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "causal_attention", "apply_rope"]
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"}
 # Lays out one layer's params for use, inside the scan body (`moelab.parallel.mesh.gather_for_use`: a split
@@ -64,7 +64,7 @@ def init(cfg: ModelConfig, key: jax.Array) -> Params:
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     layer_keys = jax.random.split(k_layers, cfg.num_layers)
     return {
-        "embed": INIT_STD * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
+        "embed": cfg.embed_std * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
         "layers": jax.vmap(functools.partial(_init_layer, cfg))(layer_keys),
         "final_norm": jnp.ones((cfg.d_model,), jnp.float32),
         "lm_head": INIT_STD * jax.random.normal(k_head, (cfg.d_model, cfg.vocab_size), jnp.float32),
@@ -200,6 +200,33 @@ def _remat(block, remat: str):
     return jax.checkpoint(block, policy=policy, prevent_cse=False)  # prevent_cse is not needed under scan
 
 
+@jax.custom_vjp
+def lm_head(x: jax.Array, w: jax.Array) -> jax.Array:
+    """float32 logits [B, S, V] of x [B, S, D] @ w [D, V], whose backward matmuls run in x's dtype.
+
+    Left to autodiff, the float32 cotangent of the logits would make both backward matmuls float32 (tf32
+    on a GPU: the slowest matmul of gpu-medium's step, issue 39). Here it is rounded to the compute dtype
+    first, as Megatron does when it casts bf16 logits up for the loss. Under float32 compute nothing is
+    rounded and the gradients are autodiff's.
+    """
+    return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
+
+def _lm_head_forward(x, w):
+    return lm_head(x, w), (x, w)
+
+
+def _lm_head_backward(saved, g):
+    x, w = saved
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("bsv,dv->bsd", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = jnp.einsum("bsd,bsv->dv", x, g, preferred_element_type=jnp.float32).astype(w.dtype)
+    return dx, dw
+
+
+lm_head.defvjp(_lm_head_forward, _lm_head_backward)
+
+
 def apply(
     params: Params,
     tokens: jax.Array,
@@ -234,9 +261,7 @@ def apply(
     block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or make_dispatch(cfg.moe), gather), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
-    logits = jnp.einsum(
-        "bsd,dv->bsv", x, params["lm_head"].astype(compute_dtype), preferred_element_type=jnp.float32
-    )
+    logits = lm_head(x, params["lm_head"].astype(compute_dtype))
     aux = {
         "expert_load": stats["load"],
         "dropped": stats["dropped"],
