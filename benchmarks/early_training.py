@@ -1,7 +1,7 @@
 """Early training of a MoE preset against its equal-FLOP dense twin, step by step from step 0 (issue 39).
 
     python benchmarks/early_training.py --preset gpu-small --seq-len 256 --batch-size 4 --steps 20 --json
-    python benchmarks/early_training.py --preset gpu-small --data text --set model.moe.router_init=zero
+    python benchmarks/early_training.py --preset gpu-small --data text --set model.embed_std=1.0
     python benchmarks/early_training.py --preset tiny --data random --steps 30 --out results.json
 
 Both models see the same batches: `random` is two batches of uniform random tokens, alternated (what
@@ -9,8 +9,9 @@ the GPU suite times: it measures memorization, where the dense twin's wider MLP 
 `text` the preset's own data mixture (the embedded corpus by default), a fresh batch each step. Per
 step we record the loss, the fraction of routed assignments the capacity dropped, MaxVio per layer
 (how far the busiest expert is above its fair share) and the learning rate. `--set FIELD=VALUE`
-(repeatable) changes the MoE's config before its dense twin is derived, so a fix is compared on the
-same footing; `--no-dense` skips the twin.
+(repeatable, read as `moelab train --set` reads it) changes the MoE's config before its dense twin is
+derived, so a fix is compared on the same footing; `--no-dense` skips the twin. A bad `--set` or preset
+exits 2 before any work.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 
 from moelab import presets
-from moelab.config import RunConfig, override
+from moelab.config import RunConfig, override, parse_overrides
+from moelab.errors import ConfigError
 from moelab.data.mixture import phase_at, sample_batch
 from moelab.train.loop import make_train_step, prepare_corpus
 from moelab.train.state import init_state
@@ -39,18 +39,13 @@ from moe_layer import write_json  # noqa: E402
 def configure(preset: str, seq_len: int | None, batch_size: int | None, sets: list[str]) -> RunConfig:
     """The preset at the asked sequence length and batch, float32 on CPU, with `--set` applied."""
     cfg = presets.get(preset)
-    changes = {"train.compute_dtype": "float32" if jax.default_backend() == "cpu" else cfg.train.compute_dtype}
+    changes = {"train.compute_dtype": "float32" if jax.default_backend() == "cpu" else cfg.train.compute_dtype,
+               "train.microbatches": 1}
     if seq_len is not None:
         changes["model.seq_len"] = seq_len
     if batch_size is not None:
         changes["train.batch_size"] = batch_size
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: write FIELD=VALUE, for example --set model.moe.capacity_factor=2")
-        changes[key] = yaml.safe_load(value)
-    cfg = override(cfg, changes)
-    return replace(cfg, train=replace(cfg.train, microbatches=1))
+    return override(cfg, changes | parse_overrides(sets))
 
 
 def batches(cfg: RunConfig, data: str, steps: int) -> list[np.ndarray]:
@@ -61,7 +56,7 @@ def batches(cfg: RunConfig, data: str, steps: int) -> list[np.ndarray]:
         return [pair[s % 2] for s in range(steps)]
     corpus = prepare_corpus(cfg)
     _, phase = phase_at(cfg.data, 0, cfg.train.steps)
-    return [sample_batch(corpus, phase.weights, cfg.train.seed, s, *shape[:1], cfg.model.seq_len).tokens
+    return [sample_batch(corpus, phase.weights, cfg.train.seed, s, cfg.train.batch_size, cfg.model.seq_len).tokens
             for s in range(steps)]
 
 
@@ -95,7 +90,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    cfg = configure(args.preset, args.seq_len, args.batch_size, args.set)
+    try:
+        cfg = configure(args.preset, args.seq_len, args.batch_size, args.set)
+    except ConfigError as e:
+        parser.error(str(e))
     tokens = batches(cfg, args.data, args.steps)
     result = {"benchmark": "early_training", "preset": args.preset, "data": args.data, "set": args.set,
               "seq_len": cfg.model.seq_len, "batch_size": cfg.train.batch_size, "steps": args.steps,

@@ -73,7 +73,7 @@ else
         else stub "$f" crashed "exit status $rc; see suite.log" "$name"; fi
       fi
     done
-    [ $rc -ne 0 ] && echo "gpu_suite: $name ended with status $rc; its files keep what it finished" >&2
+    if [ $rc -ne 0 ]; then echo "gpu_suite: $name ended with status $rc; its files keep what it finished" >&2; fi
   }
   # mfu_runs CAP PRESET:BACKEND... [-- EXTRA...]: several train-step runs in one process (one JAX start-up,
   # one matmul peak); each run's file is written as it finishes.

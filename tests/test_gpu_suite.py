@@ -530,6 +530,10 @@ def test_early_training_records_both_curves_step_by_step(tmp_path, monkeypatch, 
     assert moe_curve["loss"][0] == pytest.approx(dense_curve["loss"][0], rel=0.05)  # both start near log V
 
 
-def test_early_training_names_a_set_without_a_value():
-    with pytest.raises(SystemExit, match="write FIELD=VALUE"):
-        early_training.configure("tiny", None, None, ["model.embed_std"])
+@pytest.mark.parametrize("argv, message", [(["--set", "model.embed_std"], "must look like section.field=value"),
+                                           (["--set", "model.embed_std=0"], "model.embed_std")])
+def test_early_training_exits_2_naming_a_bad_set(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["early_training.py", "--preset", "tiny", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        early_training.main()
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

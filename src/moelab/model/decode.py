@@ -191,7 +191,7 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
     x = params["embed"][tokens]
     x, (k, v) = jax.lax.scan(block, x, (params["layers"], router_bias, cache.k, cache.v))
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
-    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(compute_dtype), preferred_element_type=jnp.float32)
+    logits = transformer.lm_head(x, params["lm_head"].astype(compute_dtype))
     return logits, KVCache(k, v, start + tokens.shape[1])
 
 
