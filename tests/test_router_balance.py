@@ -21,7 +21,7 @@ import pytest
 
 from moelab.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
 from moelab.errors import ConfigError
-from moelab.model import router, transformer
+from moelab.model import moe, router, transformer
 from moelab.train.loop import _jsonable, make_train_step
 from moelab.train.state import init_state
 
@@ -285,6 +285,87 @@ def test_quantile_balancing_with_every_expert_chosen_is_a_config_error():
     with pytest.raises(ConfigError, match="model.moe.balance_rate"):
         MoEConfig(balancing="hist", balance_rate=1.5)
     assert dataclasses.replace(MoEConfig(), balancing="sign").balancing == "sign"
+
+
+# ----------------------------------------------------------------------------------------------
+# in-batch rebalancing of the first steps (issue 39)
+
+
+def _batch_skewed_logits(seed: int, num_tokens: int = 2048, num_experts: int = 16) -> jax.Array:
+    """Logits whose skew is the batch's own: every batch favours a different set of experts, as a
+    sequence's shared direction does at initialization."""
+    kb, kt = jax.random.split(jax.random.key(seed))
+    return 0.5 * jax.random.normal(kt, (num_tokens, num_experts)) + 2.0 * jax.random.normal(kb, (num_experts,))
+
+
+def test_rebalance_on_batch_balances_the_batch_that_the_carried_bias_does_not():
+    cfg = MoEConfig(num_experts=16, num_experts_per_token=4, balancing="hist")
+    a, b, w = _batch_skewed_logits(1), _batch_skewed_logits(2), jnp.eye(16)
+    rule = router.balancer(cfg)
+
+    def maxvio(logits, bias):
+        return float(router.max_violation(router.expert_load(router.route(logits, w, bias, cfg).expert_idx, 16)))
+
+    carried = jnp.zeros(16)
+    for _ in range(3):  # the carried rule, settled on batch a
+        stats = rule.measure(router.route(a, w, carried, cfg), carried)
+        carried = rule.update(carried[None], {"bias_target": stats["bias_target"][None]})[0]
+    assert maxvio(a, carried) < 0.15 and maxvio(b, carried) > 1.0  # it does not fit the next batch
+    solved = router.rebalance_on_batch(b, w, carried, cfg)
+    assert maxvio(b, solved) < 0.15  # under capacity_factor 1.15: nothing dropped
+    assert abs(float(jnp.mean(solved))) < 1e-6
+    one = router.rebalance_on_batch(b, w, carried, dataclasses.replace(cfg, rebalance_iterations=1))
+    assert maxvio(b, solved) < maxvio(b, one)  # the iterations are what get it there
+
+
+def test_rebalancing_moves_selection_only_and_matches_routing_under_the_solved_bias():
+    cfg = _run_cfg("hist").model
+    layer = jax.tree.map(lambda a: a[0], transformer.init(cfg, jax.random.key(0))["layers"])
+    h = jax.random.normal(jax.random.key(1), (B * S, cfg.d_model))
+    bias = 0.3 * jax.random.normal(jax.random.key(2), (E,))
+
+    def out(params, bias, rebalance):
+        y, stats = moe.apply(params, h, bias, cfg, rebalance=rebalance)
+        return jnp.sum(y * jnp.cos(y)), stats
+
+    grad = jax.jit(jax.value_and_grad(out, has_aux=True))
+    solved = router.rebalance_on_batch(h, layer["w_router"], bias, cfg.moe)
+    (v_on, s_on), g_on = grad(layer, bias, jnp.array(True))
+    (v_solved, s_solved), g_solved = grad(layer, solved, jnp.array(False))
+    (v_off, s_off), _ = grad(layer, bias, jnp.array(False))
+    np.testing.assert_array_equal(s_on["load"], s_solved["load"])
+    np.testing.assert_allclose(v_on, v_solved, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_solved)):  # no gradient through the solve
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert not np.array_equal(s_off["load"], s_on["load"])  # not vacuous: the carried bias routes otherwise
+    assert float(router.max_violation(s_on["load"])) < float(router.max_violation(s_off["load"]))
+
+
+def test_train_step_rebalances_the_first_steps_only():
+    cfg = _run_cfg("hist")
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, moe=dataclasses.replace(cfg.model.moe, rebalance_steps=1)))
+    step = make_train_step(cfg)
+    state = init_state(cfg)
+    params_0, bias_0 = jax.tree.map(np.array, (state.params, state.router_bias))
+    state, m0 = step(state, _tokens(40))
+    (_, aux_plain), _ = loss_and_grad(params_0, _tokens(40), cfg.model, bias_0)
+    # Step 0 routed under each layer's own solved bias: better balanced than the carried (zero) bias.
+    assert np.all(m0["router/maxvio_by_layer"] < np.asarray(router.max_violation(aux_plain["expert_load"])))
+    assert np.all(m0["router/maxvio_by_layer"] < 0.15)
+    # Step 1 (>= rebalance_steps) routes under the carried bias, exactly as without the option.
+    params_1, bias_1 = jax.tree.map(np.array, (state.params, state.router_bias))
+    (_, aux_1), _ = loss_and_grad(params_1, _tokens(41), cfg.model, bias_1)
+    state, m1 = step(state, _tokens(41))
+    np.testing.assert_array_equal(m1["router/load"], aux_1["expert_load"])
+
+
+def test_rebalance_steps_need_a_quantile_rule():
+    with pytest.raises(ConfigError, match="model.moe.rebalance_steps"):
+        MoEConfig(balancing="sign", rebalance_steps=10)
+    with pytest.raises(ConfigError, match="model.moe.rebalance_iterations"):
+        MoEConfig(balancing="hist", rebalance_iterations=0)
+    assert MoEConfig(balancing="hist", rebalance_steps=10).rebalance_steps == 10
 
 
 def test_router_docstring_examples_run():

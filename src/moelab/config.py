@@ -111,6 +111,8 @@ class MoEConfig:
     hist_bins: int = 256  # hist: histogram bins per expert over the live range of the margins
     sign_gamma: float = 1e-3  # sign: bias change per step
     aux_loss_weight: float = 1e-2  # aux: weight of the Switch load-balancing loss, per layer
+    rebalance_steps: int = 0  # exact / hist: for the first N steps the bias is also solved on each batch itself
+    rebalance_iterations: int = 3  # quantile steps of that in-batch solve (`router.rebalance_on_batch`)
     num_waves: int = 1  # static expert waves in the `ep` all-to-all
     transport_capacity_factor: float | None = None
     """`ep` only: the rows each device may send one expert shard per wave, as a multiple of the fair
@@ -156,6 +158,12 @@ class MoEConfig:
             _check(0 < self.balance_rate <= 1, p + "balance_rate", self.balance_rate, "must be in (0, 1], or null")
         _check(isinstance(self.hist_bins, int) and self.hist_bins >= 2, p + "hist_bins", self.hist_bins,
                "must be an integer >= 2")
+        _non_negative_int(p + "rebalance_steps", self.rebalance_steps)
+        _positive_int(p + "rebalance_iterations", self.rebalance_iterations)
+        if self.rebalance_steps > 0:
+            _check(self.balancing in ("exact", "hist"), p + "rebalance_steps", self.rebalance_steps,
+                   f"solves the quantile bias on each batch, so it needs model.moe.balancing 'hist' or 'exact' "
+                   f"(not {self.balancing!r}); or set it to 0")
         _check(self.sign_gamma > 0, p + "sign_gamma", self.sign_gamma, "must be > 0")
         _check(self.aux_loss_weight >= 0, p + "aux_loss_weight", self.aux_loss_weight, "must be >= 0")
         _positive_int(p + "num_waves", self.num_waves)

@@ -127,7 +127,8 @@ def dense_counterpart(cfg: RunConfig, multiple: int = 128) -> RunConfig:
     """
     moe_model = cfg.model
     dense_moe = replace(moe_model.moe, num_experts=1, num_experts_per_token=1, num_shared_experts=0,
-                        shared_expert_dim=None, latent_dim=None, dispatch="dense", balancing="none")
+                        shared_expert_dim=None, latent_dim=None, dispatch="dense", balancing="none",
+                        rebalance_steps=0)
     base = replace(moe_model, moe=replace(dense_moe, expert_dim=multiple))
     target, at_base = flops_per_token(moe_model), flops_per_token(base)
     per_unit = 6 * moe_model.num_layers * 3 * moe_model.d_model  # FLOPs per token per unit of width

@@ -67,6 +67,7 @@ def apply(
     cfg: ModelConfig,
     compute_dtype: jnp.dtype = jnp.float32,
     dispatch: Dispatch | None = None,
+    rebalance: bool | jax.Array = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs the MoE block on a flat batch of tokens.
 
@@ -80,12 +81,18 @@ def apply(
         dispatch: runs the routed experts, `dispatch(h, routing, experts) -> (out, stats)`, from a
             `make_dispatch`; None: `moelab.model.dispatch.make_dispatch(cfg.moe)`, the single-device
             backend `cfg.moe.dispatch` names (`ep` needs a mesh: pass `moelab.parallel.ep.make_dispatch`'s).
+        rebalance: [] bool (or a Python bool): route under the bias solved on this batch
+            (`router_lib.rebalance_on_batch`) instead of `bias`; a Python False adds nothing to the
+            program, a traced flag one `lax.cond`.
 
     Returns:
         y [T, D] float32 and stats: `load` [E], `dropped` [], `assignments` [], `entropy` [] (the
         routing entropy), plus what the balancing rule measures (`router_lib.Balancer.measure`).
     """
     m = cfg.moe
+    if rebalance is not False:
+        bias = jax.lax.cond(rebalance, lambda b: router_lib.rebalance_on_batch(x, params["w_router"], b, m),
+                            lambda b: b.astype(jnp.float32), bias)
     routing = route(x, params["w_router"], bias, m)
 
     def cast(a: jax.Array) -> jax.Array:

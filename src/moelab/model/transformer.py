@@ -169,6 +169,7 @@ def _block(
     compute_dtype: jnp.dtype,
     dispatch: Dispatch,
     gather: Gather | None,
+    rebalance: bool | jax.Array,
     x: jax.Array,
     layer_and_bias: tuple[dict[str, jax.Array], jax.Array],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -179,7 +180,7 @@ def _block(
     B, S, D = x.shape
     x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype)
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MoE sees a flat [T, D]
-    y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, dispatch)
+    y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, dispatch, rebalance)
     return x + y.reshape(B, S, D), stats
 
 
@@ -236,6 +237,7 @@ def apply(
     *,
     dispatch: Dispatch | None = None,
     gather: Gather | None = None,
+    rebalance: bool | jax.Array = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token logits.
 
@@ -249,6 +251,8 @@ def apply(
             single-device backend `cfg.moe.dispatch` names.
         gather: applied to each layer's params where the layer runs (`Gather`); None under layouts
             that keep the non-expert params whole.
+        rebalance: [] bool: every MoE layer routes under the bias solved on this batch (`moe.apply`);
+            the train step sets it for the first `cfg.moe.rebalance_steps` steps.
 
     Returns:
         logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L],
@@ -258,7 +262,7 @@ def apply(
         all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
-    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or make_dispatch(cfg.moe), gather), cfg.remat)
+    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or make_dispatch(cfg.moe), gather, rebalance), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = lm_head(x, params["lm_head"].astype(compute_dtype))
@@ -288,6 +292,7 @@ def loss(
     *,
     dispatch: Dispatch | None = None,
     gather: Gather | None = None,
+    rebalance: bool | jax.Array = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross-entropy plus the optional z-loss and the balancing loss.
 
@@ -299,14 +304,15 @@ def loss(
     Args:
         params: from `init`.
         tokens: [B, S+1] int32; positions 0..S-1 are inputs, 1..S the targets.
-        cfg, router_bias, compute_dtype, dispatch, gather: as in `apply`.
+        cfg, router_bias, compute_dtype, dispatch, gather, rebalance: as in `apply`.
 
     Returns:
         The scalar loss and aux: `ce` [], `z_loss` [], `ce_per_row` [B] (mean CE of each sequence),
         plus everything in `apply`'s aux.
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, dispatch=dispatch, gather=gather)
+    logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, dispatch=dispatch, gather=gather,
+                        rebalance=rebalance)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
     ce_tok = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
     ce = jnp.mean(ce_tok)

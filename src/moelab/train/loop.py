@@ -128,8 +128,12 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     grad_shardings = None if shardings is None else shardings.params
 
     def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
+        # The first steps route under the bias solved on their own batch (`router.rebalance_on_batch`).
+        rebalance = state.step < cfg.model.moe.rebalance_steps if cfg.model.moe.rebalance_steps else False
+
         def loss_fn(params, rows):
-            return transformer.loss(params, rows, cfg.model, state.router_bias, dtype, dispatch=dispatch, gather=gather)
+            return transformer.loss(params, rows, cfg.model, state.router_bias, dtype, dispatch=dispatch, gather=gather,
+                                    rebalance=rebalance)
 
         (loss, aux), grads = accumulate_gradients(loss_fn, state.params, tokens, cfg.train.microbatches,
                                                   mesh, grad_shardings)
