@@ -22,7 +22,7 @@ import pytest
 from moelab.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
 from moelab.errors import ConfigError
 from moelab.model import moe, router, transformer
-from moelab.train.loop import _jsonable, make_train_step
+from moelab.train.loop import _jsonable, make_eval_step, make_train_step
 from moelab.train.state import init_state
 
 BIAS_RULES = ("exact", "hist", "sign")
@@ -45,6 +45,8 @@ def _run_cfg(balancing: str) -> RunConfig:
 
 
 loss_and_grad = jax.jit(jax.value_and_grad(transformer.loss, has_aux=True), static_argnums=2)
+loss_and_grad_rebalanced = jax.jit(jax.value_and_grad(functools.partial(transformer.loss, rebalance=True), has_aux=True),
+                                   static_argnums=2)
 
 
 def _tokens(seed: int) -> jax.Array:
@@ -358,6 +360,10 @@ def test_train_step_rebalances_the_first_steps_only():
     (_, aux_1), _ = loss_and_grad(params_1, _tokens(41), cfg.model, bias_1)
     state, m1 = step(state, _tokens(41))
     np.testing.assert_array_equal(m1["router/load"], aux_1["expert_load"])
+    # Evaluation routes as the rebalanced steps do, whatever the step.
+    (_, aux_eval), _ = loss_and_grad_rebalanced(params_1, _tokens(42), cfg.model, bias_1)
+    np.testing.assert_allclose(make_eval_step(cfg)(params_1, bias_1, _tokens(42)), aux_eval["ce_per_row"], rtol=1e-5)
+    assert not np.array_equal(aux_eval["expert_load"], loss_and_grad(params_1, _tokens(42), cfg.model, bias_1)[0][1]["expert_load"])
 
 
 def test_rebalance_steps_need_a_quantile_rule():

@@ -170,12 +170,18 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
 
 
 def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """A jitted `eval(params, router_bias, tokens) -> mean CE per row [B]`."""
+    """A jitted `eval(params, router_bias, tokens) -> mean CE per row [B]`.
+
+    Under `model.moe.rebalance_steps` > 0 every eval batch routes under the bias solved on itself, as the
+    rebalanced train steps do: an eval measures the model, not how far the carried bias lags its batch.
+    """
     dtype = compute_dtype(cfg)
     dispatch, gather = _dispatch(cfg, mesh), _gather(cfg, mesh)
+    rebalance = cfg.model.moe.rebalance_steps > 0
 
     def eval_step(params, router_bias, tokens):
-        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch, gather=gather)
+        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch, gather=gather,
+                                  rebalance=rebalance)
         return aux["ce_per_row"]
 
     # Replicated, so every process can read it into numpy on a multi-host mesh.
