@@ -23,7 +23,7 @@ from moelab.cli.common import JsonOpt, PresetOpt, err_console, out_console, prin
 from moelab.cli.train import run_training
 from moelab.config import load_yaml
 from moelab.errors import ConfigError, DataError
-from moelab.ladder import NUM_BOOTSTRAP
+from moelab.ladder import DEFAULT_BAND, DEFAULT_LAW, NUM_BOOTSTRAP
 from moelab.train.outputs import CONFIG, read_summary
 
 ladder_app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -183,13 +183,20 @@ def fit(
              "the target also borrows the noise the curves share at each of its steps.")] = False,
     exclude: Annotated[Optional[list[str]], typer.Option(
         help="A run of CURVES.csv to leave out of the fit (repeatable), recorded in the sidecar's `excluded`.")] = None,
+    law: Annotated[str, typer.Option(
+        help="The annealing term: tissue (an EMA of the LR drop) or multipower (Luo et al. 2025's multi-power "
+             "drop). See docs/scaling-ladder.md, \"Real public curves\".")] = DEFAULT_LAW,
+    band: Annotated[str, typer.Option(
+        help="bootstrap (run and checkpoint noise, the fit's uncertainty) or calibrated (also the law's misfit on "
+             "runs it did not see: leave a size, horizon or schedule out).")] = DEFAULT_BAND,
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""
     from moelab.ladder.predict import fit_curves
 
     summary = fit_curves(curves, target, out, num_bootstrap=bootstrap, same_data_order=same_data_order,
-                         exclude={name: "--exclude" for name in exclude or []}, progress=_bootstrap_bar)
+                         exclude={name: "--exclude" for name in exclude or []}, progress=_bootstrap_bar,
+                         law=law, band=band)
     if json_out:
         print(json.dumps(summary))
         return
@@ -208,7 +215,7 @@ def _print_fit(summary: dict) -> None:
     """The law, the target's final prediction next to the self-check, and the notes (a failed self-check loudly)."""
     out_console.print(f"Fitted law: {summary['law']}")
     for name, value in summary["params"].items():
-        if not (name in ("A", "alpha") and summary["law"].endswith("(one size)")):
+        if not (name in ("A", "alpha") and "(one size)" in summary["law"]):
             out_console.print(f"  {name} = {value:.6g}")
     noise = summary["noise"]
     if noise.get("size_exponent", 0.0) > 0:
@@ -224,6 +231,10 @@ def _print_fit(summary: dict) -> None:
     if prior:
         out_console.print(f"Prior on alpha: log-normal around {prior['median']:g} (x{math.exp(prior['log_sd']):.3g} "
                           f"per sd), weighted as one run; the fitted alpha sits {prior['z']:+.2f} sd from it.")
+    misfit = summary.get("misfit")
+    if misfit:
+        out_console.print(f"Band calibrated ({misfit['scheme']}, {len(misfit['held_out'])} held-out runs): the law missed "
+                          f"runs it did not see by up to {misfit['q95']:.2%} (95%), added to every band in quadrature.")
     for t in summary["targets"]:
         out_console.print(f"Target {escape(t['run'])}: final loss {t['loss_pred']:.4f}, 95% band "
                           f"[{t['lo95']:.4f}, {t['hi95']:.4f}] (+-{t['band95_half_width']:.2%})")

@@ -12,3 +12,7 @@ The package needs numpy and scipy only (no JAX), so a laptop can refit a ladder 
 # Refits behind a band: enough that the 2.5% / 97.5% quantiles rest on ~5 refits each. Here rather
 # than in `fit` so that the CLI can show the default without importing scipy (0.8 s) at start-up.
 NUM_BOOTSTRAP = 200
+# The curve law's annealing form and band method `ladder fit` uses unless told otherwise: chosen on real public
+# curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves").
+DEFAULT_LAW = "tissue"
+DEFAULT_BAND = "calibrated"

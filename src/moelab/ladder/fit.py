@@ -43,10 +43,12 @@ grid point.
      reads as "loss removed by annealing to zero, once settled". Measuring the drop from the
      running peak means warmup adds nothing and a re-warmup gives the gain back.
 
-   Why not the multi-power law (Luo et al. 2025, L = L0 + A (S1 + S_W)^-alpha - LD(t) with
-   LD(t) = B sum_k (lr_{k-1} - lr_k) G(lr_k^-gamma S_k(t)), G(x) = 1 - (C x + 1)^-beta): it is
-   more faithful for deep, long anneals but adds nonlinear parameters that rungs of a few thousand
-   steps cannot pin down; Tissue's one delay tau fits constant, cosine, WSD and multi-step curves.
+   The multi-power law (Luo et al. 2025, L = L0 + A (S1 + S_W)^-alpha - LD(t) with
+   LD(t) = B sum_k (lr_{k-1} - lr_k) G(lr_k^-gamma S_k(t)), G(x) = 1 - (C x + 1)^-beta) is the other
+   form of the annealing term, `form="multipower"` (`multipower_drop`): more faithful for deep, long
+   anneals, with two more nonlinear parameters and a drop sum over every earlier step (binned,
+   `_DropTerms`), so its fits and bootstrap cost ~3-10x more. Which form is the default was decided on
+   real public curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves").
    Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
    Least squares on loss (not Huber): the curve residuals feed the Gaussian bands of `predict`.
 
@@ -93,6 +95,8 @@ __all__ = [
     "chinchilla_loss",
     "effective_tokens",
     "anneal_drop",
+    "multipower_drop",
+    "FORMS",
     "fitted_rows",
     "past_warmup",
     "curve_loss",
@@ -384,6 +388,11 @@ class CurveLaw:
     noise_exponent: float = 0.0
     noise_ref: float = 1.0
     prior_weight: float = 0.0  # the weight of ALPHA_PRIOR's penalty in the fit's sum of squares (`fit_curve_law`)
+    # The annealing term's form: "tissue", S2 = EMA of the LR drop (tau in steps); "multipower", Luo et al. 2025's
+    # loss drop (`multipower_drop`: tau is its LR-area scale in steps at peak LR, `power` and `gamma` its exponents).
+    form: str = "tissue"
+    power: float = 0.0
+    gamma: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -460,6 +469,71 @@ def anneal_drop(run: Run, tau: float) -> np.ndarray:
     return _ema(_drop_profile(run), tau)[run.steps.astype(np.int64)]
 
 
+# The multi-power law's drop term sums over every step before a row; its steps are grouped in bins that grow
+# geometrically with their distance back from the row, this many per doubling: within 1e-3 of the exact sum on
+# cosine and WSD runs at the dev cases' parameters, at ~30 bins a row instead of up to 10^5 steps.
+_BINS_PER_DOUBLING = 4
+
+
+@dataclass(frozen=True, eq=False)
+class _DropTerms:
+    """Every (row, bin) pair with LR drop in it: what `multipower_drop` sums, independent of the law's parameters."""
+
+    row: np.ndarray  # [P] the row each pair belongs to
+    mass: np.ndarray  # [P] the drop of relative LR within the bin
+    lr: np.ndarray  # [P] relative LR at the bin's drop-weighted centre (floored: the LR after a drop to 0)
+    area: np.ndarray  # [P] relative-LR steps from the bin's centre to the row: S_k(t) of Luo et al.
+    num_rows: int
+
+    def drop(self, tau: float, power: float, gamma: float) -> np.ndarray:
+        """[rows] LD(t) / B: sum over bins of mass * (1 - (1 + lr^-gamma * area / tau)^-power)."""
+        settled = 1.0 - (1.0 + self.lr ** -gamma * self.area / tau) ** -power
+        return np.bincount(self.row, weights=self.mass * settled, minlength=self.num_rows)
+
+    @staticmethod
+    def concat(parts: Sequence["_DropTerms"]) -> "_DropTerms":
+        offsets = np.cumsum([0] + [p.num_rows for p in parts[:-1]])
+        return _DropTerms(np.concatenate([p.row + o for p, o in zip(parts, offsets)]),
+                          np.concatenate([p.mass for p in parts]), np.concatenate([p.lr for p in parts]),
+                          np.concatenate([p.area for p in parts]), int(sum(p.num_rows for p in parts)))
+
+
+def _drop_terms(run: Run, picks: np.ndarray) -> _DropTerms:
+    """The multi-power drop sum's bins at the steps `picks` of `run` (geometric in the distance back from each)."""
+    rel = _dense_lr(run)
+    delta = np.diff(_drop_profile(run), prepend=0.0)  # the drop's growth at each step (negative on a re-warmup)
+    area = np.concatenate([[0.0], np.cumsum(rel)])  # area[k] = sum of rel over steps < k
+    k = np.arange(len(rel), dtype=np.float64)
+    cum_mass = np.concatenate([[0.0], np.cumsum(delta)])
+    cum_moment = np.concatenate([[0.0], np.cumsum(delta * k)])
+    back = np.unique(np.round(2.0 ** (np.arange(0, _BINS_PER_DOUBLING * math.log2(len(rel) + 2) + 1)
+                                      / _BINS_PER_DOUBLING))).astype(np.int64) - 1  # 0, 1, 2, ...
+    t = picks[:, None]
+    hi = np.clip(t - back[None, :-1] + 1, 0, None)  # bin = steps [lo, hi): back from the row itself
+    lo = np.clip(t - back[None, 1:] + 1, 0, None)
+    mass = cum_mass[hi] - cum_mass[lo]
+    keep = (hi > lo) & (np.abs(mass) > 1e-12)
+    rows = np.broadcast_to(np.arange(len(picks))[:, None], hi.shape)[keep]
+    mass, lo, hi = mass[keep], lo[keep], hi[keep]
+    centre = np.clip((cum_moment[hi] - cum_moment[lo]) / mass, lo, hi - 1)
+    lr = np.maximum(np.interp(centre, k, rel), 1e-3)
+    since = area[picks[rows] + 1] - np.interp(centre, np.arange(len(area)), area)
+    return _DropTerms(rows, mass, lr, np.maximum(since, 0.0), len(picks))
+
+
+def multipower_drop(run: Run, tau: float, power: float, gamma: float) -> np.ndarray:
+    """[R] the multi-power law's loss drop per unit B at each row (Luo et al. 2025, "A Multi-Power Law for Loss
+    Curve Prediction Across Learning Rate Schedules", eq. 5), on LR relative to the run's peak:
+
+        LD(t) / B = sum over steps k <= t of (eta_{k-1} - eta_k) * G(eta_k^-gamma * S_k(t)),
+        G(x) = 1 - (1 + x / tau)^-power,  S_k(t) = sum of eta over steps k..t,
+
+    with eta's drop taken below its running peak (warmup adds nothing, as for `anneal_drop`). Once a drop
+    has settled G = 1 and the sum is the drop itself, so B reads like the Tissue form's C.
+    """
+    return _drop_terms(run, run.steps.astype(np.int64)).drop(tau, power, gamma)
+
+
 def past_warmup(run: Run) -> np.ndarray:
     """[R] bool: the rows from the first at the run's peak LR on, with S1 > 0 (where a band can be checked)."""
     at_peak = _relative_lr(run) >= 1.0 - _PEAK_TOLERANCE
@@ -481,10 +555,13 @@ def curve_losses(laws: Sequence[CurveLaw], run: Run) -> np.ndarray:
         _check_size(laws[0], run)
     s1, drop, picks = effective_tokens(run), _drop_profile(run), run.steps.astype(np.int64)
     safe_s1 = np.where(s1 > 0, s1, 1.0)
+    terms = _drop_terms(run, picks) if any(law.form == "multipower" for law in laws) else None
     out = np.empty((len(laws), len(s1)))
     for i, law in enumerate(laws):
         data_term = np.where(s1 > 0, law.b * safe_s1**-law.beta, np.nan)
-        out[i] = law.e + law.a * run.params**-law.alpha + data_term - law.c * _ema(drop, law.tau)[picks]
+        anneal = (terms.drop(law.tau, law.power, law.gamma) if law.form == "multipower"
+                  else _ema(drop, law.tau)[picks])
+        out[i] = law.e + law.a * run.params**-law.alpha + data_term - law.c * anneal
     return out
 
 
@@ -514,8 +591,9 @@ class _Rows:
     loss: np.ndarray  # [n]
     progress: np.ndarray  # [n] tokens / the run's last tokens (`progress_bin`)
     counts: np.ndarray  # [R] fitted rows per run, in run order
-    anneal: interpolate.CubicSpline  # log tau -> [n] S2 at the fitted rows
+    anneal: interpolate.CubicSpline  # log tau -> [n] S2 at the fitted rows (the Tissue form)
     max_log_tau: float
+    drops: _DropTerms | None  # the multi-power form's drop sum at the fitted rows; None for the Tissue form
     size: float | None  # the one params every run has, else None
     noise_exponent: float = 0.0  # the rows are weighted by 1 / noise_scale(N)^2 (`fit_curve_law`)
     noise_ref: float = 1.0
@@ -524,6 +602,20 @@ class _Rows:
     @property
     def one_size(self) -> bool:
         return self.size is not None
+
+    @property
+    def form(self) -> str:
+        return "tissue" if self.drops is None else "multipower"
+
+    def s2(self, q) -> np.ndarray:
+        """[n] the annealing term at the fitted rows for its nonlinear parameters q: (log tau,) for the Tissue
+        form, (log tau, log power, gamma) for the multi-power one."""
+        if self.drops is None:
+            return self.anneal(q[0])
+        return self.drops.drop(math.exp(q[0]), math.exp(q[1]), q[2])
+
+    def anneal_bounds(self) -> list[tuple[float, float]]:
+        return [(0.0, self.max_log_tau)] + ([] if self.drops is None else [_LOG_POWER_BOUNDS, _GAMMA_BOUNDS])
 
     @property
     def scale(self) -> np.ndarray:
@@ -540,7 +632,11 @@ class _Rows:
 _LOG_TAU_KNOT = 0.1
 
 
-def _rows(runs: Sequence[Run]) -> _Rows:
+_LOG_POWER_BOUNDS = (math.log(0.02), math.log(20.0))  # the multi-power G's exponent (Luo et al. fit 0.4-0.6)
+_GAMMA_BOUNDS = (0.0, 1.5)  # its LR exponent (Luo et al. fit ~0.5-0.6)
+
+
+def _rows(runs: Sequence[Run], form: str = "tissue") -> _Rows:
     for run in runs:
         if run.loss is None:
             raise DataError(f"run {run.name!r} has no loss column; the fit needs observed losses.")
@@ -558,12 +654,14 @@ def _rows(runs: Sequence[Run]) -> _Rows:
         counts=np.array([keep.sum() for keep in keeps]),
         anneal=interpolate.CubicSpline(knots, table, axis=0),
         max_log_tau=max_log_tau,
+        drops=_DropTerms.concat([_drop_terms(run, p) for run, p in zip(runs, picks)]) if form == "multipower" else None,
         size=runs[0].params if len({run.params for run in runs}) == 1 else None,
     )
 
 
 def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
-    """Least squares over (alpha, beta, log tau) with (E, A, B, C) >= 0 projected out by NNLS.
+    """Least squares over (alpha, beta, *q) with (E, A, B, C) >= 0 projected out by NNLS; q is the annealing
+    term's nonlinear parameters (`_Rows.s2`).
 
     On curves of one size the size term is E's: the fit drops A and alpha and says so (`size`).
     """
@@ -575,9 +673,9 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
     weight = 1.0 / rows.scale  # generalized least squares: each row divided by its noise sd
 
     def design(p) -> np.ndarray:
-        alpha, beta, log_tau = p
+        alpha, beta, *q = p
         size = [] if one_size else [np.exp(-alpha * x_n)]
-        return np.column_stack([ones, *size, np.exp(-beta * x_s), -rows.anneal(log_tau)])
+        return np.column_stack([ones, *size, np.exp(-beta * x_s), -rows.s2(q)])
 
     def project(p) -> tuple[np.ndarray, float]:
         coefs, rnorm = optimize.nnls(design(p) * weight[:, None], rows.loss * weight)
@@ -586,21 +684,31 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
     def sse(p):
         return project(p)[1] + rows.prior_weight * alpha_prior_z(p[0]) ** 2
 
-    bounds = [EXPONENT_BOUNDS, EXPONENT_BOUNDS, (0.0, rows.max_log_tau)]
+    bounds = [EXPONENT_BOUNDS, EXPONENT_BOUNDS] + rows.anneal_bounds()
     if start is None:
-        exponents = np.linspace(0.05, 1.2, 8)
-        taus = np.linspace(0.0, rows.max_log_tau - math.log(10.0), 7)
-        start = _best_on_grid(sse, [exponents[:1] if one_size else exponents, exponents, taus])
-    if one_size:  # alpha does not enter: search beta and tau only
+        multipower = rows.form == "multipower"
+        exponents = np.linspace(0.05, 1.2, 5 if multipower else 8)
+        taus = np.linspace(0.0, rows.max_log_tau - math.log(10.0), 5 if multipower else 7)
+        extra = [np.log([0.3, 1.0]), np.array([0.0, 0.6])] if multipower else []
+        start = _best_on_grid(sse, [exponents[:1] if one_size else exponents, exponents, taus, *extra])
+    if one_size:  # alpha does not enter: search the others only
         bounds[0] = (start[0], start[0])
-    alpha, beta, log_tau = _search(sse, np.clip(start, *np.array(bounds).T), bounds)
-    coefs, _ = project((alpha, beta, log_tau))
+    p = _search(sse, np.clip(start, *np.array(bounds).T), bounds)
+    coefs, _ = project(p)
     e, a, b, c = coefs
-    fitted = design((alpha, beta, log_tau)) @ (np.delete(coefs, 1) if one_size else coefs)
+    fitted = design(p) @ (np.delete(coefs, 1) if one_size else coefs)
+    alpha, beta, log_tau, *q = p
+    mpl = {"form": "multipower", "power": math.exp(q[0]), "gamma": float(q[1])} if q else {}
     return CurveLaw(float(e), float(a * math.exp(alpha * ref_n)), 0.0 if one_size else float(alpha),
                     float(b * math.exp(beta * ref_s)), float(beta), float(c), math.exp(log_tau),
                     float(np.sqrt(np.mean((rows.loss - fitted) ** 2))), rows.size, rows.noise_exponent,
-                    rows.noise_ref, rows.prior_weight)
+                    rows.noise_ref, rows.prior_weight, **mpl)
+
+
+def _anneal_params(law: CurveLaw) -> list[float]:
+    """The law's annealing parameters as `_Rows.s2` reads them."""
+    q = [math.log(law.tau)]
+    return q + [math.log(law.power), law.gamma] if law.form == "multipower" else q
 
 
 def alpha_prior_z(alpha: float) -> float:
@@ -611,14 +719,16 @@ def alpha_prior_z(alpha: float) -> float:
     return (math.log(alpha) - math.log(median)) / log_sd
 
 
-def _check_ladder(runs: Sequence[Run]) -> _Rows:
+def _check_ladder(runs: Sequence[Run], form: str = "tissue") -> _Rows:
     names = [r.name for r in runs]
     if not runs:
         raise DataError("the curve law needs at least 1 run; got none.")
     if len(set(names)) != len(names):
         raise DataError(f"run names repeat ({sorted({n for n in names if names.count(n) > 1})}); name each run once.")
-    rows = _rows(runs)
-    need = 6 if rows.one_size else 8
+    if form not in FORMS:
+        raise DataError(f"form={form!r} is not a form of the curve law's annealing term; one of {', '.join(FORMS)}.")
+    rows = _rows(runs, form)
+    need = (6 if rows.one_size else 8) + (2 if form == "multipower" else 0)
     if len(rows.loss) < need:
         raise DataError(f"only {len(rows.loss)} rows are past warmup with tokens > 0; the law has {need - 1} "
                         f"parameters{' on curves of one size' if rows.one_size else ''} and needs at least {need} "
@@ -695,7 +805,10 @@ def _progress_profile(within: Sequence[np.ndarray], progress: Sequence[np.ndarra
     return tuple(float(v) for v in np.sqrt(profile / (profile @ counts / counts.sum())))
 
 
-def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
+FORMS = ("tissue", "multipower")  # the annealing term's forms (`CurveLaw.form`)
+
+
+def fit_curve_law(runs: Sequence[Run], form: str = "tissue") -> CurveLaw:
     """Fit the curve law jointly on every post-warmup row of every run (least squares on loss).
 
     Grid: alpha, beta in 0.05..1.2 (8 each), tau in 1..last step (7, log-spaced); then L-BFGS-B
@@ -720,16 +833,24 @@ def fit_curve_law(runs: Sequence[Run]) -> CurveLaw:
     (`_variance_components`) count a penalized alpha as a whole parameter; on the tests' 3-size x
     2-seed ladder the run sd moved from 0.0121 (unpenalized) to 0.0122.
     """
-    rows = _check_ladder(runs)
+    rows = _check_ladder(runs, form)
     law = _fit_rows(rows, start=None)
+
+    def again(rows: _Rows, law: CurveLaw) -> CurveLaw:
+        # the multi-power grid is 5-dimensional: its refits on reweighted rows start from the last fit instead
+        if form == "multipower":
+            return _fit_rows(rows, np.array([law.alpha if law.size is None else EXPONENT_BOUNDS[0], law.beta,
+                                             *_anneal_params(law)]))
+        return _fit_rows(rows, start=None)
+
     exponent, ref = _noise_exponent(rows, law)
     rows = replace(rows, noise_exponent=exponent, noise_ref=ref)
-    law = _fit_rows(rows, start=None) if exponent > 0 else replace(law, noise_ref=ref)
+    law = again(rows, law) if exponent > 0 else replace(law, noise_ref=ref)
     if rows.one_size or ALPHA_PRIOR is None:
         return law
     run_var, _, checkpoint_var, _ = _noise_of(rows, law)[2]
     weight = float(np.mean(rows.counts)) * run_var + checkpoint_var
-    return _fit_rows(replace(rows, prior_weight=weight), start=None)
+    return again(replace(rows, prior_weight=weight), law)
 
 
 def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
@@ -743,8 +864,8 @@ def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
     def free(value: float, lo: float, hi: float) -> bool:
         return lo * (1 + 1e-9) < value < hi * (1 - 1e-9)  # L-BFGS-B returns an active bound exactly
 
-    log_n, log_s1, log_tau = rows.log_params, rows.log_s1, math.log(law.tau)
-    size, data, s2 = np.exp(-law.alpha * log_n), np.exp(-law.beta * log_s1), rows.anneal(log_tau)
+    log_n, log_s1, q = rows.log_params, rows.log_s1, _anneal_params(law)
+    size, data, s2 = np.exp(-law.alpha * log_n), np.exp(-law.beta * log_s1), rows.s2(q)
     columns = [np.ones_like(s2)] if law.e > 0 else []
     if law.a > 0:
         columns += [size] + ([-law.a * log_n * size] if free(law.alpha, *EXPONENT_BOUNDS) else [])
@@ -752,8 +873,14 @@ def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
         columns += [data] + ([-law.b * log_s1 * data] if free(law.beta, *EXPONENT_BOUNDS) else [])
     if law.c > 0:
         columns.append(-s2)
-        if free(law.tau, 1.0, math.exp(rows.max_log_tau)):
-            columns.append(-law.c * rows.anneal(log_tau, 1))
+        if rows.form == "tissue" and free(law.tau, 1.0, math.exp(rows.max_log_tau)):
+            columns.append(-law.c * rows.anneal(q[0], 1))
+        elif rows.form == "multipower":  # by central differences: the drop sum has no closed-form derivative
+            for i, (lo, hi) in enumerate(rows.anneal_bounds()):
+                if lo + 1e-6 < q[i] < hi - 1e-6:
+                    up, down = list(q), list(q)
+                    up[i], down[i] = q[i] + 1e-4, q[i] - 1e-4
+                    columns.append(-law.c * (rows.s2(up) - rows.s2(down)) / 2e-4)
     loss = law.e + law.a * size + law.b * data - law.c * s2
     return loss, np.column_stack(columns) if columns else np.zeros((len(loss), 0))
 
@@ -847,7 +974,7 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     `CurveBootstrap.progress_scale`); the refits do not use it (they resample whole residual curves,
     which carry it already), the bands and the live forecast do.
     """
-    rows = replace(_check_ladder(runs), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
+    rows = replace(_check_ladder(runs, law.form), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
                    prior_weight=law.prior_weight)
     predicted, residuals, (run_var, run_dof, checkpoint_var, checkpoint_dof) = _noise_of(rows, law)
     scale = rows.scale
@@ -861,7 +988,7 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     mean_square = float(sum(np.sum(w**2) for w in within)) / len(rows.loss)
     shrink = math.sqrt(checkpoint_var / mean_square) if mean_square > 0 else 0.0
     rng = np.random.default_rng(seed)
-    start = np.array([law.alpha if law.size is None else EXPONENT_BOUNDS[0], law.beta, math.log(law.tau)])
+    start = np.array([law.alpha if law.size is None else EXPONENT_BOUNDS[0], law.beta, *_anneal_params(law)])
     laws = []
     for _ in progress(range(num_samples)):
         draws, signs = rng.choice(run_draws, len(residuals)), rng.choice([-1.0, 1.0], len(residuals))

@@ -1,0 +1,121 @@
+"""Calibrated bands: the law's held-out misfit widens every band, and the self-check fails a band that misses."""
+
+import csv
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import load_benchmark
+from test_ladder_fit import TRUE, _curve_rows, _synthetic_run, _write_csv
+
+from moelab.ladder.calibrate import Misfit, held_out_splits, measure_misfit, widen
+from moelab.ladder.fit import bootstrap_curve_law, fit_curve_law
+from moelab.ladder.predict import fit_curves, predict_with_bands, score
+
+
+def _law_at(params: float):
+    """The generating law with an anneal gain that grows with size: one shared C misfits it, more so further out
+    (what real curves show: the law splits cosine and WSD differently at larger N than the data do)."""
+    return replace(TRUE, c=0.15 * (params / 1e6) ** 0.1)
+
+
+def _drifting_ladder(rng):
+    return [_synthetic_run(f"r{i}-{kind}", n, 600, kind, rng, 40, law=_law_at(n), checkpoint_sd=1e-3)
+            for i, n in enumerate(np.geomspace(1e6, 3e7, 5)) for kind in ("wsd", "cosine")]
+
+
+def test_the_calibrated_band_covers_a_target_whose_final_loss_the_bootstrap_band_misses():
+    rng = np.random.default_rng(0)
+    runs = _drifting_ladder(rng)
+    target = _synthetic_run("target", 6e7, 600, "cosine", rng, 40, law=_law_at(6e7))
+    law = fit_curve_law(runs)
+    plain = predict_with_bands(law, bootstrap_curve_law(runs, law, 20), replace(target, loss=None))
+    misfit = measure_misfit(runs)
+    calibrated = widen(plain, misfit, target)
+    before, after = score(plain, target), score(calibrated, target)
+    assert misfit.scheme == "leave-size-out"
+    assert not before["final_lo95"] <= before["final_actual"] <= before["final_hi95"]
+    assert after["final_lo95"] <= after["final_actual"] <= after["final_hi95"]
+    assert after["band95_coverage"] == 1.0 > before["band95_coverage"]
+
+
+def _misfit(scores, distances, scheme="leave-size-out"):
+    scores = np.asarray(scores, dtype=np.float64)
+    return Misfit(scheme, scores, np.ones_like(scores), np.asarray(distances, dtype=np.float64), 1e8,
+                  tuple(f"r{i}" for i in range(len(scores))), tuple(scores))
+
+
+def test_widen_adds_the_misfit_quantile_in_quadrature_and_grows_it_with_the_extrapolation_distance():
+    misfit = _misfit(np.linspace(0.001, 0.02, 20), [0.5] * 20)
+    bands = {"loss_pred": np.array([2.0]), "lo80": np.array([1.97]), "hi80": np.array([2.03]),
+             "lo95": np.array([1.96]), "hi95": np.array([2.04])}
+    near = widen(bands, misfit, _synthetic_run("t", 1e8 * math.exp(0.5), 100, "wsd", np.random.default_rng(0), 20))  # as far as the splits
+    far = widen(bands, misfit, _synthetic_run("t", 1e8 * math.exp(1.0), 100, "wsd", np.random.default_rng(0), 20))  # twice as far
+    q95 = misfit.quantile(0.95)
+    assert q95 == pytest.approx(0.019)  # the 19th of 20 equally weighted scores
+    assert near["hi95"][0] - 2.0 == pytest.approx(math.hypot(0.04, 2.0 * q95))
+    assert 2.0 - near["lo80"][0] == pytest.approx(math.hypot(0.03, 2.0 * misfit.quantile(0.8)))
+    assert far["hi95"][0] - 2.0 == pytest.approx(math.hypot(0.04, 4.0 * q95))
+
+
+@pytest.mark.parametrize("shape, scheme", [
+    ("three sizes", "leave-size-out"),
+    ("one size, two horizons", "leave-horizon-out"),
+    ("one size, one horizon", "leave-schedule-out"),
+    ("two sizes, one horizon", "second-half"),
+])
+def test_the_held_out_splits_follow_what_the_curves_can_leave_out(shape, scheme):
+    rng = np.random.default_rng(1)
+    plans = {"three sizes": [(n, 400, k) for n in (1e6, 3e6, 1e7) for k in ("wsd", "cosine")],
+             "one size, two horizons": [(1e6, s, k) for s in (400, 800) for k in ("wsd", "cosine", "constant")],
+             "one size, one horizon": [(1e6, 400, k) for k in ("wsd", "cosine", "constant")],
+             "two sizes, one horizon": [(n, 400, "cosine") for n in (1e6, 3e6)]}[shape]
+    runs = [_synthetic_run(f"r{i}", n, s, k, rng) for i, (n, s, k) in enumerate(plans)]
+    got, splits = held_out_splits(runs)
+    assert got == scheme
+    for fitted, held in splits:
+        if scheme == "leave-size-out":  # forward: every fitted run is smaller than every held-out one
+            assert max(r.params for r in fitted) < min(r.params for r in held)
+        elif scheme == "leave-horizon-out":
+            assert max(r.tokens[-1] for r in fitted) < min(r.tokens[-1] for r in held)
+        elif scheme == "leave-schedule-out":
+            assert len(held) == 1 and held[0] not in fitted
+        else:  # the largest size's second halves, predicted from every run's first half
+            assert {r.params for r in held} == {3e6}
+            assert all(r.tokens[-1] <= 0.5 * 400 * 2e4 * math.sqrt(r.params / 1e6) for r in fitted)
+
+
+def test_the_self_check_fails_when_most_of_the_held_out_rung_lies_outside_its_band(tmp_path):
+    """The largest rung ends on the law but sits 0.05 above it over the middle of its run: its final eval is
+    inside the band, most of its evals are not, so the band understates the miss and the check must say so."""
+    rng = np.random.default_rng(2)
+    runs = [_synthetic_run(f"r{i}-{k}", n, 400, k, rng, 20, checkpoint_sd=1e-3)
+            for i, n in enumerate((1e6, 3e6, 1e7, 3e7)) for k in ("wsd", "cosine")]
+    for i in (6, 7):
+        progress = runs[i].tokens / runs[i].tokens[-1]
+        runs[i] = replace(runs[i], loss=runs[i].loss + 0.05 * ((progress > 0.15) & (progress < 0.8)))
+    _write_csv(tmp_path / "curves.csv", ["run", "params", "step", "tokens", "lr", "loss"], _curve_rows(runs))
+    target = _synthetic_run("target", 1e8, 400, "cosine", rng, 20)
+    _write_csv(tmp_path / "target.csv", ["run", "params", "step", "tokens", "lr"],
+               [row[:5] for row in _curve_rows([target])])
+    summary = fit_curves(tmp_path / "curves.csv", tmp_path / "target.csv", tmp_path / "pred.csv", num_bootstrap=20)
+    check = summary["self_check"]
+    assert check["final_lo95"] <= check["final_actual"] <= check["final_hi95"]
+    assert check["band95_coverage"] < 0.8
+    assert check["verdict"] == "failed" and not check["trusted"]
+    assert "of its evals inside the band predicted for them, under 80%" in summary["notes"][0]
+
+
+def test_the_benchmark_refuses_a_missing_cases_dir_with_exit_2_and_says_what_to_pass(tmp_path, capsys):
+    code = load_benchmark("ladder_public").main(["--cases-dir", str(tmp_path / "nowhere"), "--json"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"--cases-dir {tmp_path / 'nowhere'} does not exist" in err and "pass --cases-dir PATH" in err
+
+
+def test_the_benchmark_scores_a_case_with_the_interval_score_of_gneiting_and_raftery(tmp_path):
+    bench = load_benchmark("ladder_public")
+    y, lo, hi = np.array([2.0, 2.0, 2.0]), np.array([1.9, 2.1, 1.0]), np.array([2.1, 2.2, 1.5])
+    # inside: the width; above the band: width + 40 x the distance; all relative to y
+    assert bench.interval_score(lo, hi, y) == pytest.approx([0.1, (0.1 + 40 * 0.1) / 2, (0.5 + 40 * 0.5) / 2])
