@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "moelab"
 
 LAYERS = [  # low to high; a module may import its own layer or a lower one
-    ["errors", "config", "presets", "accounting"],  # what a run is
+    ["errors", "files", "config", "presets", "accounting"],  # what a run is; files written whole
     ["data", "model"],  # tokens in, logits out
     ["parallel"],  # meshes, shardings, expert-parallel dispatch
     ["train"],  # one run
