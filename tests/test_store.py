@@ -16,6 +16,7 @@ from moelab.data.mixture import build_corpus, eval_batches, sample_batch
 from moelab.data.sources import iter_file_documents
 from moelab.data.tokenizer import ByteTokenizer
 from moelab.errors import ConfigError, DataError
+from moelab.files import sha256_file
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly zebras".split()
 
@@ -99,7 +100,7 @@ def test_prepare_writes_shards_whose_streams_are_the_documents_in_order_with_eos
         sources = manifest["domains"][domain.name]["sources"]
         assert all(Path(s["path"]).is_file() and len(s["sha256"]) == 64 for s in sources)
     for name, entry in manifest["files"].items():
-        assert store_lib.sha256_file(out / name) == entry["sha256"]
+        assert sha256_file(out / name) == entry["sha256"]
     assert store_lib.prepare(cfg, out, shard_tokens=2000) == manifest  # a finished store: nothing to do
 
 

@@ -14,12 +14,12 @@ AWS_ENDPOINT_URL for an S3-compatible server); fsspec and its backends are impor
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
 from moelab.errors import DataError
+from moelab.files import atomic_path
 
 __all__ = ["is_url", "join", "storage_errors", "fetch", "read_bytes", "exists", "check_writable", "upload", "publish"]
 
@@ -77,11 +77,9 @@ def storage_errors(url: str, action: str) -> Iterator[None]:
 def fetch(url: str, local: Path) -> None:
     """Download `url` to `local`, through a temporary name: `local` is either absent or complete."""
     fs, path = _filesystem(url)
-    tmp = local.with_name(local.name + ".part")
     local.parent.mkdir(parents=True, exist_ok=True)
-    with storage_errors(url, "downloading"):
+    with storage_errors(url, "downloading"), atomic_path(local) as tmp:
         fs.get_file(path, str(tmp))
-    os.replace(tmp, local)
 
 
 def exists(location: str | Path) -> bool:
@@ -124,6 +122,5 @@ def publish(local: Path, destination: str) -> None:
         return
     target = Path(destination)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
-    shutil.copyfile(local, tmp)
-    os.replace(tmp, target)
+    with atomic_path(target) as tmp:
+        shutil.copyfile(local, tmp)

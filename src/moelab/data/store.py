@@ -59,9 +59,10 @@ from moelab.data import remote
 from moelab.data.sources import _CHUNKS_FOR_A_SINGLE_DOCUMENT, _split_at_lines, iter_documents, source_files
 from moelab.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from moelab.errors import DataError
+from moelab.files import atomic_open, atomic_path, sha256_file, write_json
 
 __all__ = ["FORMAT", "MANIFEST", "SPLITS", "DEFAULT_SHARD_TOKENS", "ShardFile", "TokenStream", "Store", "prepare", "open_store",
-           "read_manifest", "store_hashes", "is_heldout", "split_stream", "sha256_file"]
+           "read_manifest", "store_hashes", "is_heldout", "split_stream"]
 
 FORMAT = "moelab-token-store/1"
 MANIFEST = "manifest.json"
@@ -75,20 +76,6 @@ _BATCH_BYTES = 1 << 22  # text handed to the tokenizer at once (encode_batch thr
 _CACHE_ENV = "MOELAB_STORE_CACHE"  # where stores fetched from object storage are kept (default ~/.cache/moelab)
 
 Progress = Callable[[int, int], None]  # (tokens written so far, text bytes read so far)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def _canonical(data: Any) -> str:
@@ -234,12 +221,10 @@ class _ShardWriter:
                   "next_document": self.next_document, "files": {}}
         for kind, array in arrays.items():
             path = self.folder / f"{stem}.{kind}.npy"
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
+            with atomic_open(path, "wb") as f:
                 np.save(f, array)
-            os.replace(tmp, path)
             record["files"][kind] = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
-        _write_json(self.folder / f"{stem}.json", record)  # last: the shard now counts as finished
+        write_json(self.folder / f"{stem}.json", record)  # last: the shard now counts as finished
         self.parts, self.ends, self.size, self.index = [], [], 0, self.index + 1
 
 
@@ -302,14 +287,14 @@ def _build_tokenizer(cfg: DataConfig, root: Path, where_docs: Callable[[], Itera
     saved = root / TOKENIZER
     if cfg.tokenizer != "bpe":
         source = HFTokenizer.load(cfg.tokenizer)  # DataError naming a missing or invalid file
-        shutil.copyfile(cfg.tokenizer, saved.with_name(TOKENIZER + ".tmp"))
-        os.replace(saved.with_name(TOKENIZER + ".tmp"), saved)
+        with atomic_path(saved) as tmp:
+            shutil.copyfile(cfg.tokenizer, tmp)
         return source
     if saved.is_file():
         return HFTokenizer.load(saved)
     tokenizer = HFTokenizer.train_bpe(where_docs(), cfg.bpe_vocab_size)
-    tokenizer.save(saved.with_name(TOKENIZER + ".tmp"))
-    os.replace(saved.with_name(TOKENIZER + ".tmp"), saved)
+    with atomic_path(saved) as tmp:
+        tokenizer.save(tmp)
     return tokenizer
 
 
@@ -344,7 +329,7 @@ def prepare(cfg: DataConfig, out: str | Path, shard_tokens: int = DEFAULT_SHARD_
         if remote.is_url(out):
             _upload(root, out, manifest)
         return manifest
-    _write_json(root / PLAN, plan)
+    write_json(root / PLAN, plan)
 
     def documents(domain: DomainConfig) -> Iterator[tuple[int, str, str]]:
         stream = iter_documents(domain, cfg.max_bytes_per_domain, cfg.seed, cfg.arithmetic_digits)
@@ -440,7 +425,7 @@ def _seal(root: Path, plan: dict, tokenizer: Tokenizer, dtype: np.dtype) -> dict
                 "heldout_fraction": plan["heldout_fraction"], "domains": domains, "domain_order": list(domains),
                 "files": files,
                 "store_hash": hashlib.sha256(_canonical(content).encode()).hexdigest()}
-    _write_json(root / MANIFEST, manifest)
+    write_json(root / MANIFEST, manifest)
     return manifest
 
 
@@ -642,7 +627,7 @@ def _verify(location: str, root: Path, files: dict[str, dict], rehash: bool = Fa
         fresh[name] = key
     if fresh != cache:
         try:
-            _write_json(cache_path, fresh)
+            write_json(cache_path, fresh)
         except OSError:
             pass  # a read-only store: verified again next time
 
@@ -662,6 +647,6 @@ def _fetch(url: str) -> Path:
         local = root / name
         if not (local.is_file() and local.stat().st_size == entry["bytes"]):  # `_verify` then checks its hash
             remote.fetch(remote.join(url, name), local)
-    _write_json(root / MANIFEST, manifest)  # `open_store` then verifies every file against it
+    write_json(root / MANIFEST, manifest)  # `open_store` then verifies every file against it
     return root
 

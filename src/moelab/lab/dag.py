@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from moelab.errors import ConfigError, Preempted
+from moelab.files import write_text
 from moelab.lab.ledger import canonical_json
 
 __all__ = ["RUNNING", "SUCCESS", "FAILED", "PREEMPTED", "BACKENDS", "MAX_ATTEMPTS", "Versioned", "versioned", "Step",
@@ -242,12 +243,6 @@ def read_status(output_dir: str | Path) -> str | None:
         return None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-
-
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
@@ -365,33 +360,33 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
             config = _unwrap(job.step.config)
             info = {**base, "versioned": _versioned_fields(job.step.config), "config": config,
                     "deps": {d: str(p) for d, p in job.dep_dirs.items()}, "started_at": _now(), **resumed}
-            _write_atomic(out / INFO_FILE, canonical_json(info))
-            _write_atomic(out / STATUS_FILE, RUNNING)
+            write_text(out / INFO_FILE, canonical_json(info))
+            write_text(out / STATUS_FILE, RUNNING)
             try:
                 emit("started", status=RUNNING, moved_aside=moved,
                      **({"resumed_at": resumed["preemptions"][-1]} if status == PREEMPTED else {}),
                      **({"in_place": True} if lost else {}))
                 result = job.step.fn(StepContext(name, job.version, out, config, dict(job.dep_dirs)))
                 if result is not None:
-                    _write_atomic(out / RESULT_FILE, canonical_json(result))
+                    write_text(out / RESULT_FILE, canonical_json(result))
             except Preempted as e:  # the step saved a state to continue from: keep the directory for a resume
                 message = str(e)
-                _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
+                write_text(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
                                                                "preempted_at": e.step, "preempted": message}))
-                _write_atomic(out / STATUS_FILE, PREEMPTED)
+                write_text(out / STATUS_FILE, PREEMPTED)
                 emit("preempted", status=PREEMPTED, preempted_at=e.step, checkpoint=str(e.path), message=message)
                 return outcome("ran", PREEMPTED, waited=waited, error=message, preempted_at=e.step)
             except BaseException as e:
                 error = f"{type(e).__name__}: {e}"
-                _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
+                write_text(out / INFO_FILE, canonical_json({**info, "finished_at": _now(),
                                                                "error": traceback.format_exc()}))
-                _write_atomic(out / STATUS_FILE, FAILED)
+                write_text(out / STATUS_FILE, FAILED)
                 emit("failed", status=FAILED, error=error)
                 if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: recorded, then honoured
                     raise
                 return outcome("ran", FAILED, waited=waited, error=error)
-            _write_atomic(out / INFO_FILE, canonical_json({**info, "finished_at": _now()}))
-            _write_atomic(out / STATUS_FILE, SUCCESS)  # last: SUCCESS means every other file is complete
+            write_text(out / INFO_FILE, canonical_json({**info, "finished_at": _now()}))
+            write_text(out / STATUS_FILE, SUCCESS)  # last: SUCCESS means every other file is complete
             emit("finished", status=SUCCESS, result=result)
             return outcome("ran", SUCCESS, waited=waited, result=result)
         finally:
@@ -516,9 +511,9 @@ def _worker_lost(job: _Job, error: Exception, on_event: Callable[[dict], None] |
     message = (f"worker lost on attempt {job.attempt} of {MAX_ATTEMPTS}: {type(error).__name__}: "
                f"{str(error).splitlines()[0] if str(error) else ''}")
     if read_status(job.output_dir) == RUNNING and not _lock_held(job.lock_path):
-        _write_atomic(job.output_dir / INFO_FILE, canonical_json({**_read_info(job.output_dir), "finished_at": _now(),
+        write_text(job.output_dir / INFO_FILE, canonical_json({**_read_info(job.output_dir), "finished_at": _now(),
                                                                   "worker_lost": message}))
-        _write_atomic(job.output_dir / STATUS_FILE, FAILED)
+        write_text(job.output_dir / STATUS_FILE, FAILED)
     _emit(on_event, job, "failed", status=FAILED, worker_lost=True, error=message)
     return StepOutcome(job.step.name, job.version, job.output_dir, "ran", FAILED, error=message)
 

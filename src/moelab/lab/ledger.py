@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import numbers
-import os
 import random
 import re
 import sqlite3
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from moelab.errors import ConfigError, DataError
+from moelab.files import atomic_open
 
 __all__ = ["KINDS", "GENESIS_HASH", "MIN_HASH_PREFIX", "Ledger", "Record", "ChainCheck", "DuplicateRecord",
            "ChainBroken", "canonical_json", "record_hash", "open_ledger", "append", "records", "verify", "check_chain",
@@ -451,11 +451,9 @@ def export_jsonl(ledger: Ledger, path: str | Path) -> Path:
     a copy anyone can check with the chain rule (`record_hash`) without SQLite. Written to a temporary name
     and renamed, so the file is whole."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(path) as f:
         for record in records(ledger):
             f.write(record_line(record))
-    os.replace(tmp, path)
     return path
 
 

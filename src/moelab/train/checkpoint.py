@@ -26,7 +26,6 @@ any process is skipped by all of them, so every process resumes from the same st
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ import orbax.checkpoint as ocp
 
 from moelab.config import CheckpointConfig
 from moelab.errors import ConfigError, SaveFailed
+from moelab.files import sha256_file, write_json
 from moelab.parallel import mesh as mesh_lib
 
 __all__ = ["CheckpointWarning", "Restored", "Checkpointer"]
@@ -129,7 +129,7 @@ def _digest(step_dir: Path) -> dict[str, str]:
     """SHA-256 of every file under a step directory (the manifest itself excluded)."""
     out = {}
     for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        out[str(path.relative_to(step_dir))] = hashlib.sha256(path.read_bytes()).hexdigest()
+        out[str(path.relative_to(step_dir))] = sha256_file(path)
     return out
 
 
@@ -163,9 +163,8 @@ class Checkpointer:
                 self._manager.save(step, args=args, force=True)
             self._manager.wait_until_finished()
             if mesh_lib.is_writer():
-                tmp = step_dir / (MANIFEST + ".tmp")
-                tmp.write_text(json.dumps(_digest(step_dir), indent=1))
-                tmp.rename(step_dir / MANIFEST)  # atomic: the manifest is either absent or complete
+                # atomic: the manifest is either absent or complete
+                write_json(step_dir / MANIFEST, _digest(step_dir), sort_keys=False)
         except Exception as e:  # Orbax and TensorStore raise many types for one failed write
             # A step left without its manifest is moved aside at the next restore; the older ones are untouched.
             good = [s for s in self.steps() if s != step]

@@ -35,6 +35,7 @@ from typing import IO, Any, Protocol
 
 from moelab.config import RunConfig, dump_yaml
 from moelab.errors import ConfigError
+from moelab.files import atomic_path
 
 __all__ = ["CONFIG", "METRICS", "INCIDENTS", "MIXTURE_LOG", "SAMPLES", "ROUTER_LOAD", "RESUMES", "SUMMARY",
            "DATA", "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
@@ -149,9 +150,8 @@ def write_tokenizer(out: Path, tokenizer: Any, writer: bool) -> None:
     """OUT/tokenizer.json for a Hugging Face tokenizer (`save`), so sampling and export need no sources;
     the byte tokenizer has no file. Written under a temporary name and renamed: never half a file."""
     if writer and hasattr(tokenizer, "save"):
-        tmp = out / (TOKENIZER + ".tmp")
-        tokenizer.save(tmp)
-        os.replace(tmp, out / TOKENIZER)
+        with atomic_path(out / TOKENIZER) as tmp:
+            tokenizer.save(tmp)
 
 
 def write_summary(out: Path, summary: dict, writer: bool) -> None:
