@@ -134,7 +134,7 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
     bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
 
     def loss(params, x):
-        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch)
+        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch=dispatch)
         return jnp.sum(y * cot), stats["dropped"] / stats["assignments"]
 
     layer = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -222,7 +222,7 @@ def check_grouped(args) -> dict:
         bias = jnp.zeros((args.experts,), jnp.float32)
 
         def loss(params, x, cfg=cfg, cot=cot, bias=bias):
-            y, _ = moe.apply(params, x, bias, cfg, jnp.bfloat16)
+            y, _ = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch=ep.make_dispatch(cfg.moe))
             return jnp.sum(y * cot), y
 
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)

@@ -63,7 +63,7 @@ def float_scatter_adds(jaxpr_text: str) -> list[str]:
 def dispatch_gradient_jaxpr(dispatch_fn, cfg, num_tokens: int) -> str:
     """The printed jaxpr of d(sum of a dispatch's outputs) / d(rows, combine weights, expert weights), bf16.
 
-    `dispatch_fn(h, routing, experts)` is a backend from a `make_dispatch`; the routing comes from `cfg`'s
+    `dispatch_fn(h, routing, experts)` is a backend from `moelab.parallel.ep.make_dispatch`; the routing comes from `cfg`'s
     router on random rows, so the gradient of the router itself (not dispatch's business) is left out.
     """
     import jax

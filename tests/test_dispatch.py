@@ -119,7 +119,7 @@ def test_moe_layer_alone_matches_dense_in_output_and_gradients(backend, router_s
     cotangent = jax.random.normal(k_cot, (T, cfg.d_model))  # a random projection exercises every output entry
 
     def objective(params, x, cfg):
-        y, _ = moe.apply(params, x, bias, cfg)
+        y, _ = moe.apply(params, x, bias, cfg, dispatch=dispatch_lib.single_device(cfg.moe))
         return jnp.sum(y * cotangent), y
 
     grad_fn = jax.grad(objective, argnums=(0, 1), has_aux=True)
@@ -188,7 +188,7 @@ def test_capacity_drops_exactly_the_overflow_of_a_skewed_router(router_score):
     assert counts[0] > C, "the skew should overfill expert 0"
 
     experts = {name: params[name] for name in ("w_gate", "w_up", "w_down")}
-    out, stats = dispatch_lib.make_dispatch(cfg.moe)(x, routing, experts)
+    out, stats = dispatch_lib.single_device(cfg.moe)(x, routing, experts)
     assert float(stats["dropped"]) == expected_dropped
     np.testing.assert_array_equal(stats["load"], counts.astype(np.float32))
     assert float(stats["assignments"]) == T * K
@@ -214,14 +214,20 @@ def test_capacity_output_equals_dense_with_dropped_assignments_zeroed(router_sco
 
 def test_dispatch_rejects_a_backend_it_does_not_know():
     with pytest.raises(ValueError, match="not a single-device backend"):
-        dispatch_lib.make_dispatch(MoEConfig(num_experts=E, num_experts_per_token=K, dispatch="ep"))
+        dispatch_lib.single_device(MoEConfig(num_experts=E, num_experts_per_token=K, dispatch="ep"))
 
 
 def test_moe_layer_with_ep_dispatch_and_no_backend_raises_a_clear_error():
+    """The layer picks no backend itself (issue 41): a call without one names the argument, and the one
+    entry point refuses `ep` without its mesh."""
+    from moelab.parallel import ep
+
     cfg = _cfg("ep", "sigmoid", latent=False, shared=False)
     params = moe.init(cfg, jax.random.key(0))
-    with pytest.raises(ValueError, match="moelab.parallel.ep"):
+    with pytest.raises(TypeError, match="dispatch"):
         moe.apply(params, jnp.ones((4, cfg.d_model)), jnp.zeros((E,)), cfg)
+    with pytest.raises(ValueError, match="mesh"):
+        ep.make_dispatch(cfg.moe)
 
 
 def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
@@ -235,7 +241,7 @@ def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
         return dispatch_lib.dropless(h, routing, experts)
 
     y, _ = moe.apply(params, x, jnp.zeros((E,)), cfg, dispatch=ep_dispatch)
-    ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"))
+    ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"), dispatch=dispatch_lib.dense)
     assert calls == [(B * S, 16)]  # the latent-width rows
     assert relative_error(y, ref) < 1e-5
 
@@ -278,7 +284,7 @@ def test_take_rows_value_and_gradient_equal_plain_indexing(fan_out):
 def test_backward_pass_of_dispatch_has_no_float_scatter_add(backend):
     """Every row move is a `take_rows`, so the gradient gathers rows instead of scattering them with atomics."""
     cfg = _cfg(backend, "sigmoid", latent=False, shared=False)
-    text = dispatch_gradient_jaxpr(dispatch_lib.make_dispatch(cfg.moe), cfg, B * S)
+    text = dispatch_gradient_jaxpr(dispatch_lib.single_device(cfg.moe), cfg, B * S)
     assert "gather" in text
     assert float_scatter_adds(text) == []
     # The check itself can fail: plain indexing does scatter-add in its gradient.
@@ -295,7 +301,8 @@ def test_grouped_layer_forward_and_backward_lower_to_triton_for_cuda(monkeypatch
     x = jax.ShapeDtypeStruct((512, cfg.d_model), jnp.float32)
 
     def loss(params, x):
-        y, _ = moe.apply(params, x, jnp.zeros((cfg.moe.num_experts,)), cfg, jnp.bfloat16)
+        y, _ = moe.apply(params, x, jnp.zeros((cfg.moe.num_experts,)), cfg, jnp.bfloat16,
+                         dispatch=dispatch_lib.grouped)
         return jnp.sum(y)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -361,7 +368,7 @@ def test_dropless_on_a_gpu_is_refused_naming_grouped(monkeypatch):
     out of memory; it is now refused before anything is compiled, naming the fast dropless path."""
     from moelab.config import MoEConfig
     from moelab.errors import ConfigError
-    from moelab.model.dispatch import make_dispatch
+    from moelab.model.dispatch import single_device as make_dispatch
 
     cfg = MoEConfig(num_experts=8, num_experts_per_token=2, expert_dim=16, dispatch="dropless")
     assert make_dispatch(cfg) is not None  # on this CPU it runs

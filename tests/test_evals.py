@@ -12,7 +12,7 @@ from helpers import run_cli
 
 from moelab.evals import loss as eval_loss
 from moelab.model import transformer
-from moelab.model.dispatch import make_dispatch
+from moelab.parallel.ep import make_dispatch
 from moelab.train.weights import load_run
 
 

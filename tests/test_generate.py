@@ -14,7 +14,7 @@ from helpers import relative_error, run_cli
 from moelab import presets
 from moelab.config import dump_yaml, load_yaml
 from moelab.model import decode, transformer
-from moelab.model.dispatch import make_dispatch
+from moelab.parallel.ep import make_dispatch
 
 CFG = presets.resolve("tiny", {}).model
 

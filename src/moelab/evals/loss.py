@@ -31,7 +31,7 @@ from moelab.config import DataConfig, ModelConfig
 from moelab.data.sources import iter_documents
 from moelab.errors import DataError
 from moelab.model import transformer
-from moelab.model.dispatch import make_dispatch
+from moelab.parallel.ep import make_dispatch
 
 __all__ = ["DomainScore", "domain_documents", "token_stream", "windows", "make_token_losses", "make_token_scores",
            "evaluate_documents"]

@@ -35,7 +35,7 @@ import numpy as np
 from moelab.config import ModelConfig
 from moelab.errors import DataError
 from moelab.model import moe, transformer
-from moelab.model.dispatch import make_dispatch
+from moelab.model.dispatch import single_device
 from moelab.model.layers import rms_norm
 
 __all__ = ["sample_prompts", "make_greedy_decode", "generate_samples", "PROMPT_TOKENS", "CONTINUATION_TOKENS",
@@ -175,7 +175,7 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
     Returns:
         logits [B, T, V] float32 and the cache grown by T.
     """
-    dispatch = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
+    dispatch = single_device(dataclasses.replace(cfg.moe, dispatch="dropless"))
     start = cache.length
 
     def block(x, layer_bias_kv):
@@ -185,7 +185,7 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
                                                    v_cache, start, cfg, compute_dtype)
         x = x + attn
         y, _ = moe.apply(layer, rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * T, D), bias, cfg,
-                         compute_dtype, dispatch)
+                         compute_dtype, dispatch=dispatch)
         return x + y.reshape(B, T, D), (k_cache, v_cache)
 
     x = params["embed"][tokens]

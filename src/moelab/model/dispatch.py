@@ -18,10 +18,11 @@ Every backend computes the same function (design §3):
 Rows move with `moelab.model.rows.take_rows`, a gather whose gradient is also a gather (each map is
 injective with a known inverse), so no backward pass pays for a float scatter-add.
 
-`make_dispatch(cfg)` binds the named backend's settings (capacity_factor) once and returns the one
-callable `moelab.model.moe.apply` runs, `dispatch(h, routing, experts) -> (out, stats)`. The
-expert-parallel backend needs a mesh, so it lives in `moelab.parallel.ep`, whose
-`make_dispatch(cfg, mesh)` adds it to these.
+`moelab.parallel.ep.make_dispatch(cfg, mesh)` is the one entry point that builds the callable
+`moelab.model.moe.apply` runs, `dispatch(h, routing, experts) -> (out, stats)`, for any backend: the
+expert-parallel one needs a mesh, so it lives a layer up. `single_device(cfg)` here binds a
+single-device backend's settings (capacity_factor); outside this layer only `make_dispatch` calls it,
+inside it decoding and `transformer.apply`'s default do (they cannot see `parallel/`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "EXPERT_MATMUL", "Dispatch", "make_dispatch", "dense", "capacity", "dropless", "grouped",
+__all__ = ["BACKENDS", "EXPERT_MATMUL", "Dispatch", "single_device", "dense", "capacity", "dropless", "grouped",
            "expert_capacity", "grouped_swiglu", "swiglu_buffers"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
@@ -267,7 +268,7 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 
-def make_dispatch(cfg: MoEConfig) -> Dispatch:
+def single_device(cfg: MoEConfig) -> Dispatch:
     """`cfg.dispatch`'s single-device backend with its settings bound: `dispatch(h, routing, experts)`.
 
     Raises:

@@ -7,8 +7,8 @@ only the routed path runs at the latent width: rows are projected down and RMS-n
 dispatch, and the combined output is projected back up. Shared experts are dense SwiGLU MLPs on every
 token; the N of them are stored fused as one SwiGLU of width N * shared_dim, which is the same
 function with the same parameter count (the hidden units of the N MLPs are simply concatenated).
-The routed experts run through one `dispatch` callable (`moelab.model.dispatch.make_dispatch`, or
-`moelab.parallel.ep.make_dispatch` on a mesh), whatever the backend.
+The routed experts run through one `dispatch` callable, whatever the backend: the caller builds it
+(`moelab.parallel.ep.make_dispatch`), so no backend is chosen here behind its back.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import router as router_lib
-from moelab.model.dispatch import Dispatch, make_dispatch
+from moelab.model.dispatch import Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
 from moelab.model.router import route
 
@@ -66,7 +66,8 @@ def apply(
     bias: jax.Array,
     cfg: ModelConfig,
     compute_dtype: jnp.dtype = jnp.float32,
-    dispatch: Dispatch | None = None,
+    *,
+    dispatch: Dispatch,
     rebalance: bool | jax.Array = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs the MoE block on a flat batch of tokens.
@@ -78,9 +79,9 @@ def apply(
         cfg: the model config.
         compute_dtype: dtype of the matmuls' inputs (float32 or bfloat16). The router and the latent
             norm's statistics stay float32.
-        dispatch: runs the routed experts, `dispatch(h, routing, experts) -> (out, stats)`, from a
-            `make_dispatch`; None: `moelab.model.dispatch.make_dispatch(cfg.moe)`, the single-device
-            backend `cfg.moe.dispatch` names (`ep` needs a mesh: pass `moelab.parallel.ep.make_dispatch`'s).
+        dispatch: runs the routed experts, `dispatch(h, routing, experts) -> (out, stats)`, from
+            `moelab.parallel.ep.make_dispatch(cfg.moe, mesh)` (required: `ep` needs a mesh, and a
+            default would pick a backend the caller did not name).
         rebalance: [] bool (or a Python bool): route under the bias solved on this batch
             (`router_lib.rebalance_on_batch`) instead of `bias`; a Python False adds nothing to the
             program, a traced flag one `lax.cond`.
@@ -106,7 +107,7 @@ def apply(
         h = xc  # [T, D]
     experts = {name: cast(params[name]) for name in ("w_gate", "w_up", "w_down")}
 
-    routed, stats = (dispatch or make_dispatch(m))(h, routing, experts)
+    routed, stats = dispatch(h, routing, experts)
 
     if m.latent_dim is not None:
         routed = jnp.einsum("tl,ld->td", cast(routed), cast(params["w_latent_up"]))

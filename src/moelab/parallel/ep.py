@@ -260,12 +260,12 @@ def dispatch(
 def make_dispatch(cfg: MoEConfig, mesh: Mesh | None = None) -> Dispatch:
     """`cfg.dispatch`'s backend with all its settings bound: `dispatch(h, routing, experts) -> (out, stats)`.
 
-    `ep` is `dispatch` bound to `mesh` and to `cfg`'s capacity factor, transport capacity factor
-    (None: the capacity factor) and `num_waves`; every other backend is
-    `moelab.model.dispatch.make_dispatch(cfg)`, which needs no mesh.
+    The one entry point for every backend. `ep` is `dispatch` bound to `mesh` and to `cfg`'s capacity
+    factor, transport capacity factor (None: the capacity factor) and `num_waves`; every other backend is
+    `moelab.model.dispatch.single_device(cfg)`, which needs no mesh.
     """
     if cfg.dispatch != "ep":
-        return dispatch_lib.make_dispatch(cfg)
+        return dispatch_lib.single_device(cfg)
     if mesh is None:
         raise ValueError("model.moe.dispatch='ep' needs the ('replica', 'expert') mesh to run on: pass mesh=...")
     transport = cfg.transport_capacity_factor if cfg.transport_capacity_factor is not None else cfg.capacity_factor
