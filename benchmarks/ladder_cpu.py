@@ -31,9 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from moelab import accounting
-from moelab.ladder.predict import load_on_track, load_prediction, read_curves, score
-from moelab.ladder.rungs import load_recipe
+from moelab.ladder.bands import score
+from moelab.ladder.contract import load_prediction, read_curves
+from moelab.ladder.on_track import load_on_track
 from moelab.ladder.run import TASK_POINTS, curve_rows, plan_ladder, run_ladder, write_csv
+from moelab.ladder.rungs import load_recipe
 from moelab.ladder.task_points import score_runs, with_task_checkpoints
 from moelab.train.loop import train
 from moelab.train.outputs import SUMMARY
@@ -54,7 +56,7 @@ def seed_dir(out: Path, seed: int) -> Path:
 
 
 def score_seed(pred_path: Path, target, run_dir: Path) -> dict:
-    """One trained target against PRED.csv, by `predict.score`, and the watcher replayed over its evals.
+    """One trained target against PRED.csv, by `bands.score`, and the watcher replayed over its evals.
 
     The targets train without a watcher, so a run can be scored against any prediction; `OnTrack`
     sees nothing but each eval's step and `eval/mean`, so replaying it is what watching live gives.
@@ -83,7 +85,7 @@ def seed_floors(out: Path, num_seeds: int) -> dict:
     The floor is each seed's MAPE against the mean of the other k - 1 seeds times sqrt((k - 1) / k):
     that mean is itself off the true curve, which makes the difference's variance k / (k - 1) times
     one seed's (1.5x for 3 seeds), and a MAPE scales with the sd. Over the evals after the first 10%
-    of tokens, like `predict.score`; empty with fewer than 2 seeds.
+    of tokens, like `bands.score`; empty with fewer than 2 seeds.
     """
     if num_seeds < 2:
         return {}

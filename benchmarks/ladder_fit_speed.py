@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder import NUM_BOOTSTRAP
-from moelab.ladder.fit import CurveLaw, Run, curve_loss
+from moelab.ladder.curve import CurveLaw, Run, curve_loss
 from moelab.ladder.predict import fit_curves
 from moelab.ladder.run import write_csv
 

@@ -8,7 +8,7 @@ A case is a folder holding `curves.csv` (fit), `target.csv` (predict) and `truth
 with their observed `loss`), as in `../shared/ladder-dev-curves/` (its README names the sources and
 licenses; the curves are read from there at run time, never copied into this repository). Each case
 is fitted as `moelab ladder fit` fits it (`predict.fit_curves`; `--same-data-order` where the case's
-README says so) and scored on its target rows past 10% of each run's tokens (the `predict.score`
+README says so) and scored on its target rows past 10% of each run's tokens (the `bands.score`
 convention). Also scored, beside them: `cpu-schedules-tiny`, the committed CPU schedule sweep
 (`tests/data/schedules-tiny.csv`), each schedule predicted from the other four.
 
@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from moelab.errors import ConfigError, DataError
-from moelab.ladder import NUM_BOOTSTRAP
-from moelab.ladder.predict import BANDS, DEFAULT_BAND, DEFAULT_LAW, LAWS, fit_curves, load_prediction, read_curves
+from moelab.ladder import DEFAULT_BAND, DEFAULT_LAW, NUM_BOOTSTRAP
+from moelab.ladder.contract import load_prediction, read_curves
+from moelab.ladder.predict import BANDS, LAWS, fit_curves
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CASES = REPO.parent / "shared" / "ladder-dev-curves"

@@ -28,8 +28,10 @@ import numpy as np
 
 from moelab import presets
 from moelab.config import PhaseConfig
-from moelab.ladder.fit import bootstrap_curve_law, curve_loss, fit_curve_law, shared_noise
-from moelab.ladder.predict import predict_with_bands, read_curves, score
+from moelab.ladder.bands import bootstrap_curve_law, predict_with_bands, score, shared_noise
+from moelab.ladder.contract import read_curves
+from moelab.ladder.curve import curve_loss
+from moelab.ladder.fit import fit_curve_law
 from moelab.ladder.run import curve_rows, write_csv
 from moelab.train.loop import train
 from moelab.train.outputs import SUMMARY

@@ -9,9 +9,10 @@ import pytest
 from helpers import load_benchmark
 from test_ladder_fit import TRUE, _curve_rows, _synthetic_run, _write_csv
 
+from moelab.ladder.bands import bootstrap_curve_law, predict_with_bands, score
 from moelab.ladder.calibrate import Misfit, held_out_splits, measure_misfit, widen
-from moelab.ladder.fit import bootstrap_curve_law, fit_curve_law
-from moelab.ladder.predict import fit_curves, predict_with_bands, score
+from moelab.ladder.fit import fit_curve_law
+from moelab.ladder.predict import fit_curves
 
 
 def _law_at(params: float):

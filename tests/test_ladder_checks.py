@@ -13,10 +13,13 @@ import pytest
 from helpers import run_cli
 
 from moelab.errors import DataError
-from moelab.ladder.fit import (CurveLaw, Run, bootstrap_curve_law, curve_loss, fit_curve_law, fitted_rows,
-                               shared_noise)
+from moelab.ladder.bands import bootstrap_curve_law, predict_with_bands, score, shared_noise
+from moelab.ladder.contract import read_curves
+from moelab.ladder.curve import CurveLaw, Run, curve_loss, fitted_rows
+from moelab.ladder.fit import fit_curve_law
 from moelab.ladder.forecast import HALF_LIFE, ForecastFinal
-from moelab.ladder.predict import OnTrack, fit_curves, predict_with_bands, read_curves, score, self_check
+from moelab.ladder.on_track import OnTrack
+from moelab.ladder.predict import fit_curves, self_check
 from test_ladder_fit import TRUE, _curve_rows, _synthetic_run, _write_csv
 
 HEADER = ["run", "params", "step", "tokens", "lr", "loss"]

@@ -17,36 +17,22 @@ from helpers import run_cli
 
 from moelab.errors import ConfigError, DataError
 from moelab.ladder import fit
-from moelab.ladder.fit import (
+from moelab.ladder.bands import CurveBootstrap, bootstrap_curve_law, predict_with_bands
+from moelab.ladder.contract import BAND_COLUMNS, load_prediction, read_curves
+from moelab.ladder.curve import CurveLaw, Run, anneal_drop, curve_loss, curve_losses, effective_tokens, fitted_rows
+from moelab.ladder.fit import _variance_components, fit_curve_law
+from moelab.ladder.laws import (
     ChinchillaFit,
-    CurveBootstrap,
-    CurveLaw,
-    Run,
-    _variance_components,
-    anneal_drop,
-    bootstrap_curve_law,
     chinchilla_loss,
-    curve_loss,
-    curve_losses,
-    effective_tokens,
     envelope_compute,
     envelope_loss,
     fit_chinchilla,
     fit_compute_envelope,
-    fit_curve_law,
-    fitted_rows,
     lower_envelope,
 )
-from moelab.ladder.predict import (
-    BAND_COLUMNS,
-    OnTrack,
-    compute_equivalent_speedup,
-    fit_curves,
-    load_on_track,
-    load_prediction,
-    predict_with_bands,
-    read_curves,
-)
+from moelab.ladder.on_track import OnTrack, load_on_track
+from moelab.ladder.predict import fit_curves
+from moelab.ladder.speedup import compute_equivalent_speedup
 
 # The generating law: Chinchilla-like magnitudes, an annealing gain of 0.15 settling over ~40 steps.
 TRUE = CurveLaw(e=1.8, a=30.0, alpha=0.3, b=60.0, beta=0.3, c=0.15, tau=40.0)
@@ -427,7 +413,7 @@ def test_bootstrap_reads_a_checkpoint_noise_that_falls_with_progress_and_leaves_
     2-4x its last (2.2-3.5 on seeds 0-7: isotonic pooling and the fit's own share of the noise pull it
     below 3), and its mean square over the fitted rows is 1. Equal noise: no profile on all 8 seeds
     (the per-run test keeps it flat), so every row keeps the one checkpoint sd."""
-    from moelab.ladder.fit import PROGRESS_EDGES, progress_bin
+    from moelab.ladder.bands import PROGRESS_EDGES, progress_bin
 
     runs = _early_noisy_ladder(np.random.default_rng(5), factor=3.0)
     bootstrap = bootstrap_curve_law(runs, fit_curve_law(runs), num_samples=5)
@@ -442,7 +428,7 @@ def test_bootstrap_reads_a_checkpoint_noise_that_falls_with_progress_and_leaves_
 
 def test_a_bands_checkpoint_noise_follows_the_progress_profile_row_by_row():
     """Each row's band equals the band of a bootstrap whose checkpoint sd is scaled by its bin's value."""
-    from moelab.ladder.fit import PROGRESS_EDGES
+    from moelab.ladder.bands import PROGRESS_EDGES
 
     run = Run("x", 1e7, np.arange(20, 501, 20), np.arange(20, 501, 20) * 1e4, np.full(25, 1e-3))
     profile = tuple(np.linspace(2.0, 0.6, len(PROGRESS_EDGES) - 1))

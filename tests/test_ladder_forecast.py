@@ -23,8 +23,10 @@ import pytest
 
 from moelab import presets
 from moelab.presets import scale_model
-from moelab.ladder.fit import curve_loss, fit_curve_law
-from moelab.ladder.predict import OnTrack, read_curves, read_target
+from moelab.ladder.contract import read_curves, read_target
+from moelab.ladder.curve import curve_loss
+from moelab.ladder.fit import fit_curve_law
+from moelab.ladder.on_track import OnTrack
 from moelab.ladder.run import curve_rows, target_rows, write_csv
 from moelab.train.loop import train
 from moelab.train.outputs import INCIDENTS, METRICS, read_jsonl

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from test_ladder_fit import _schedule
 
-from moelab.ladder.fit import CurveLaw, Run, curve_loss, fit_curve_law, multipower_drop
+from moelab.ladder.curve import CurveLaw, Run, curve_loss, multipower_drop
+from moelab.ladder.fit import fit_curve_law
 
 # one size, a drop term that settles over a LR area of ~200 steps at peak LR, Luo et al.'s exponents
 TRUE = CurveLaw(e=2.0, a=0.0, alpha=0.0, b=60.0, beta=0.3, c=0.4, tau=200.0, size=1e8, form="multipower",

@@ -13,7 +13,7 @@ from helpers import run_cli
 from moelab import accounting, presets
 from moelab.config import load_yaml, override
 from moelab.errors import ConfigError
-from moelab.ladder.predict import load_on_track
+from moelab.ladder.on_track import load_on_track
 from moelab.ladder.rungs import LadderRecipe, fit_lr_rule, load_recipe, preset_recipe, rungs_of
 from moelab.presets import make_rung, scale_model, tokens_per_active_param
 from moelab.ladder.run import target_rows, write_csv

@@ -11,7 +11,8 @@ from test_ladder_checks import HEADER, _curve_rows, _four_rungs, _write_csv
 from test_ladder_fit import _synthetic_run
 
 from moelab.errors import ConfigError, DataError
-from moelab.ladder.predict import fit_curves, load_on_track
+from moelab.ladder.on_track import load_on_track
+from moelab.ladder.predict import fit_curves
 
 FUZZ = dict(deadline=None, derandomize=True, database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

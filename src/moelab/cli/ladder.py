@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -21,10 +20,8 @@ from rich.table import Table
 
 from moelab.cli.common import JsonOpt, PresetOpt, err_console, out_console, print_problem
 from moelab.cli.train import run_training
-from moelab.config import load_yaml
-from moelab.errors import ConfigError, DataError
+from moelab.errors import ConfigError
 from moelab.ladder import DEFAULT_BAND, DEFAULT_LAW, NUM_BOOTSTRAP
-from moelab.train.outputs import CONFIG, read_summary
 
 ladder_app = typer.Typer(no_args_is_help=True, add_completion=False,
                          help="Scaling ladder: rungs of one recipe, a fitted law, predictions of the target.")
@@ -84,40 +81,10 @@ def plan(
 
 
 def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
-    """`plan --fix`: fix the recipe (`ladder.fix`), print the changes, write the YAML; returns the fixed recipe."""
-    import yaml
+    """`plan --fix`: write the fixed recipe (`ladder.fix.write_fixed_recipe`), print the changes; returns it."""
+    from moelab.ladder.fix import write_fixed_recipe
 
-    from moelab.config import read_yaml
-    from moelab.ladder.fix import fix_recipe, recipe_data
-    from moelab.ladder.predict import sidecar_path
-    from moelab.ladder.run import train_sizes
-
-    noise = None
-    if runs is not None:
-        sidecar = sidecar_path(runs / "prediction.csv")
-        if not sidecar.is_file():
-            raise ConfigError(f"--runs {runs}: {sidecar} does not exist; give the --out folder of a finished "
-                              "`moelab ladder run` of this recipe.")
-        noise = json.loads(sidecar.read_text())
-    fixed, changes = fix_recipe(recipe, train_sizes(recipe.target), noise)
-    lines = [f"# {path} with its `moelab ladder plan` warnings resolved by `--fix`:"]
-    lines += [f"# - {c.field}: {c.before} -> {c.after}: {c.why}." for c in changes] or ["# - nothing to change."]
-    data = recipe_data(read_yaml(path, "recipe", ""), fixed)
-    rest = {k: v for k, v in data.items() if k not in ("target", "rungs")}
-    text = "\n".join([*lines, yaml.safe_dump({"target": data["target"]}, sort_keys=False, width=110).rstrip(),
-                      f"rungs: {json.dumps(data['rungs'])}", yaml.safe_dump(rest, sort_keys=False)])
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a folder; --fix writes one recipe file: give a path like {out / 'fixed.yaml'}.")
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.replace(out)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # nothing half-written stays behind
-        raise ConfigError(f"--out {out}: cannot be written ({e.strerror or e}: {e.filename or out}); choose a path "
-                          "in a folder you can write to.") from None
+    fixed, changes = write_fixed_recipe(path, recipe, out, runs)
     if not quiet:
         kept = [c for c in changes if c.before == c.after]  # what a rule could not fix: said, left as it is
         for c in changes:
@@ -129,17 +96,10 @@ def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
 
 
 def _warn_recipe(rungs, target, read_data: bool = True) -> None:
-    """Warn for each rung too short to be tuned like the others (`rungs.short_rungs`), grouping its attention
-    heads unlike the target (`rungs.regrouped_heads`) or of another depth (`rungs.mixed_depth`), for fewer than
-    three sizes (`rungs.too_few_sizes`) and, with `read_data`, for each run that would read a domain of its data
-    more than once (`rungs.repeated_data`)."""
-    from moelab.ladder.rungs import mixed_depth, regrouped_heads, repeated_data, short_rungs, too_few_sizes
-    from moelab.ladder.run import train_sizes
+    """Print the recipe's warnings (`rungs.recipe_warnings`); `read_data` also reads its data."""
+    from moelab.ladder.rungs import recipe_warnings
 
-    warnings = short_rungs(rungs) + regrouped_heads(rungs, target) + mixed_depth(rungs, target) + too_few_sizes(rungs)
-    if read_data:
-        warnings += repeated_data(rungs + [target], train_sizes(target))
-    for warning in warnings:
+    for warning in recipe_warnings(rungs, target, read_data):
         print_problem("Warning", warning, "yellow")
 
 
@@ -153,7 +113,7 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
-    from moelab.ladder.predict import sidecar_path
+    from moelab.ladder.contract import sidecar_path
     from moelab.ladder.run import TASK_PREDICTION, plan_ladder, run_ladder
 
     ladder = _recipe(recipe, None)
@@ -254,22 +214,6 @@ def _print_fit(summary: dict) -> None:
                       "bold red" if loud else "yellow")
 
 
-def _final_points(ladder_dir: Path) -> list[tuple[str, float, float]]:
-    """(name, train FLOPs, final eval/mean) of every finished rung under a `ladder run` directory."""
-    from moelab.accounting import summarize
-
-    points = []
-    for run_dir in sorted((ladder_dir / "rungs").glob("*")):
-        summary = read_summary(run_dir)
-        if summary:
-            cfg = load_yaml(run_dir / CONFIG)
-            points.append((cfg.name, summarize(cfg)["train_flops"], summary["eval_mean"]))
-    if len(points) < 2:
-        raise DataError(f"{ladder_dir} holds {len(points)} finished rungs under rungs/; a comparison needs at "
-                        "least 2. Run `moelab ladder run RECIPE.yaml --out DIR` first.")
-    return points
-
-
 @ladder_app.command()
 def compare(
     baseline: Annotated[Path, typer.Argument(help="A `ladder run` output directory: the baseline recipe.")],
@@ -277,13 +221,9 @@ def compare(
     json_out: JsonOpt = False,
 ) -> None:
     """Compute-equivalent speedup: compute the baseline needs to reach the candidate's loss, over the candidate's."""
-    from moelab.ladder.fit import fit_compute_envelope
-    from moelab.ladder.predict import compute_equivalent_speedup
+    from moelab.ladder.speedup import compare_ladders
 
-    base = _final_points(baseline)
-    envelope = fit_compute_envelope([c for _, c, _ in base], [loss for _, _, loss in base])
-    rows = [{"run": name, "train_flops": c, "loss": loss,
-             "speedup": compute_equivalent_speedup(envelope, loss, c)} for name, c, loss in _final_points(candidate)]
+    rows = compare_ladders(baseline, candidate)
     if json_out:
         print(json.dumps({"baseline": str(baseline), "candidate": str(candidate), "rungs": rows,
                           "speedup": rows[-1]["speedup"]}))

@@ -120,7 +120,7 @@ def train(
         if not predicted.is_file():
             raise ConfigError(f"--predicted {predicted} does not exist; write it with `moelab ladder run` or "
                               "`ladder fit`.")
-        from moelab.ladder.predict import load_on_track  # scipy: only when predictions are checked
+        from moelab.ladder.on_track import load_on_track  # scipy: only when predictions are checked
 
         watchers.append(load_on_track(predicted))
     sinks = []

@@ -69,7 +69,8 @@ def run_training(ctx: StepContext, progress: Progress | None = None,
                                ctx.config["publish_every"]))
     watchers: list[Watcher] = []
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
-        from moelab.ladder.predict import load_on_track, sidecar_path
+        from moelab.ladder.contract import sidecar_path
+        from moelab.ladder.on_track import load_on_track
 
         predicted, fitted = ctx.output_dir / "prediction.csv", ctx.deps[ctx.config["predicted_by"]] / "prediction.csv"
         shutil.copyfile(fitted, predicted)

@@ -37,7 +37,7 @@ from moelab.data.store import sha256_file
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.registry import TRAIN_STEP, Experiment, Prediction, load_experiment
-from moelab.ladder.predict import sidecar_path
+from moelab.ladder.contract import sidecar_path
 from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
                                  read_summary)
 

@@ -59,7 +59,7 @@ from moelab.lab.experiment import Progress
 from moelab.lab.ledger import Record, append, check_chain, open_ledger, records
 from moelab.lab.report import REPRODUCTION
 from moelab.ladder.fit import noise_scale
-from moelab.ladder.predict import size_scale_of
+from moelab.ladder.contract import size_scale_of
 from moelab.train.outputs import CONFIG, METRICS, SUMMARY, read_jsonl
 
 __all__ = ["REPRODUCED", "WITHIN_NOISE", "DIFFERS", "NOISE_FACTOR", "StepComparison", "Reproduction",

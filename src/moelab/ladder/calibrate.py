@@ -1,6 +1,6 @@
 """The law's own misfit, measured on runs it did not see and carried into every band.
 
-The bootstrap band (`fit.bootstrap_curve_law`, `predict.predict_with_bands`) holds run and
+The bootstrap band (`bands.bootstrap_curve_law`, `bands.predict_with_bands`) holds run and
 checkpoint noise and the fit's uncertainty, but not the law's error where it extrapolates: on real
 public curves (docs/scaling-ladder.md, "Real public curves") its 95% band held 17-78% of the
 targets' evals while the self-check passed. So the law is refitted on part of the curves and
@@ -38,14 +38,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from moelab.errors import DataError
-from moelab.ladder.fit import CurveLaw, Run, curve_loss, fit_curve_law, shared_noise
+from moelab.ladder.bands import shared_noise
+from moelab.ladder.curve import CurveLaw, Run, curve_loss
+from moelab.ladder.fit import fit_curve_law
 
 __all__ = ["MAX_SPLITS", "HORIZON_GAP", "Misfit", "held_out_splits", "measure_misfit", "widen"]
 
 MAX_SPLITS = 3  # leave-size-out refits: the largest sizes, each from all smaller ones; more cost more fits
 HORIZON_GAP = 0.75  # leave-horizon-out fits on runs ending at most this share of the longest horizon's tokens
 _SAME_HORIZON = 0.9  # runs ending within this share of the longest horizon are held out with it
-_SCORED_FROM = 0.1  # held-out rows are scored past this share of the run's tokens (`predict.score`)
+_SCORED_FROM = 0.1  # held-out rows are scored past this share of the run's tokens (`bands.score`)
 LEVELS = (0.8, 0.95)  # the band coverages widened
 
 
@@ -114,7 +116,7 @@ def measure_misfit(runs: Sequence[Run], fit: Callable[[Sequence[Run]], CurveLaw]
     """Refit on each split of `held_out_splits` and score the held-out rows; see the module docstring.
 
     `same_data_order`: the held-out runs borrow the noise the fitted runs share at each step
-    (`fit.shared_noise`), as the target does. DataError when no held-out run has a row to score.
+    (`bands.shared_noise`), as the target does. DataError when no held-out run has a row to score.
     """
     scheme, splits = held_out_splits(runs)
     scores, weights, distances, names, finals = [], [], [], [], []
@@ -142,7 +144,7 @@ def measure_misfit(runs: Sequence[Run], fit: Callable[[Sequence[Run]], CurveLaw]
             weights.append(np.full(len(relative), 1.0 / len(relative)))
             distances.append(np.full(len(relative), distance))
             names.append(run.name)
-            finals.append(float(-relative[-1] / (1 + relative[-1])))  # (pred - y) / y, as `predict.score`
+            finals.append(float(-relative[-1] / (1 + relative[-1])))  # (pred - y) / y, as `bands.score`
     if not scores:
         raise DataError(f"{scheme}: no split left enough rows to refit, or no held-out row to score.")
     reach = max(r.params for r in runs) if scheme == "leave-size-out" else max(r.tokens[-1] for r in runs)
@@ -151,7 +153,7 @@ def measure_misfit(runs: Sequence[Run], fit: Callable[[Sequence[Run]], CurveLaw]
 
 
 def widen(bands: dict[str, np.ndarray], misfit: Misfit, run: Run) -> dict[str, np.ndarray]:
-    """`bands` of `run` (`predict.predict_with_bands`) with each half-width grown by the misfit, in quadrature."""
+    """`bands` of `run` (`bands.predict_with_bands`) with each half-width grown by the misfit, in quadrature."""
     centre, distance = bands["loss_pred"], misfit.distance_of(run)
     out = dict(bands)
     for p, lo, hi in ((0.8, "lo80", "hi80"), (0.95, "lo95", "hi95")):

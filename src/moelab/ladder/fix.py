@@ -18,23 +18,32 @@ without them, one rule per warning, each change recorded with its reason:
 
 What a rule cannot fix is said, not hidden: a recipe left with two sizes cannot run its self-check, and one
 whose run-to-run spread alone is wider than the band goal cannot reach it with seeds.
+
+`write_fixed_recipe` is the whole of `--fix`: it fixes the recipe and writes it in the user's own form, each
+change as a comment at the top.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Mapping
 
+import yaml
 from scipy import special
 
-from moelab.config import PhaseConfig
+from moelab.config import PhaseConfig, read_yaml
 from moelab.errors import ConfigError
-from moelab.ladder.rungs import MIN_RUNG_STEPS, LadderRecipe, data_epochs
+from moelab.files import write_text
+from moelab.ladder.contract import sidecar_path
+from moelab.ladder.rungs import MIN_RUNG_STEPS, LadderRecipe, data_epochs, train_sizes
 from moelab.presets import make_rung
 
-__all__ = ["Change", "fix_recipe", "recipe_data", "seeds_for_band", "MIN_SIZES", "MIN_SEEDS", "BAND_GOAL"]
+__all__ = ["Change", "fix_recipe", "write_fixed_recipe", "recipe_data", "seeds_for_band", "MIN_SIZES", "MIN_SEEDS",
+           "BAND_GOAL"]
 
 MIN_SIZES = 3  # the leave-largest-out self-check fits on two sizes and predicts the third
 MIN_SEEDS = 3  # ladder-cpu's run-to-run spread came from 5 seeds a rung; 1 leaves it unestimated
@@ -66,6 +75,39 @@ def fix_recipe(recipe: LadderRecipe, train_sizes: Mapping[str, int] | None = Non
     if train_sizes is not None:
         recipe = _one_pass(recipe, train_sizes, changes)
     return _enough_seeds(recipe, noise, changes), changes
+
+
+def write_fixed_recipe(path: Path, recipe: LadderRecipe, out: Path,
+                       runs: Path | None = None) -> tuple[LadderRecipe, list[Change]]:
+    """`moelab ladder plan RECIPE --fix --out OUT [--runs LADDER_OUT]`: fix `recipe` (read from `path`), write it to
+    `out` in the user's form with the changes as comments, and return it with the changes.
+
+    With `runs` (a `ladder run` folder of this recipe), its fitted noise sizes the seeds. ConfigError, naming the
+    flag, when `runs` has no prediction or `out` cannot be written; `out` then holds what it held.
+    """
+    noise = None
+    if runs is not None:
+        sidecar = sidecar_path(runs / "prediction.csv")
+        if not sidecar.is_file():
+            raise ConfigError(f"--runs {runs}: {sidecar} does not exist; give the --out folder of a finished "
+                              "`moelab ladder run` of this recipe.")
+        noise = json.loads(sidecar.read_text())
+    fixed, changes = fix_recipe(recipe, train_sizes(recipe.target), noise)
+    lines = [f"# {path} with its `moelab ladder plan` warnings resolved by `--fix`:"]
+    lines += [f"# - {c.field}: {c.before} -> {c.after}: {c.why}." for c in changes] or ["# - nothing to change."]
+    data = recipe_data(read_yaml(path, "recipe", ""), fixed)
+    rest = {k: v for k, v in data.items() if k not in ("target", "rungs")}
+    text = "\n".join([*lines, yaml.safe_dump({"target": data["target"]}, sort_keys=False, width=110).rstrip(),
+                      f"rungs: {json.dumps(data['rungs'])}", yaml.safe_dump(rest, sort_keys=False)])
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; --fix writes one recipe file: give a path like {out / 'fixed.yaml'}.")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text(out, text)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot be written ({e.strerror or e}: {e.filename or out}); choose a path "
+                          "in a folder you can write to.") from None
+    return fixed, changes
 
 
 def _set_shapes(recipe: LadderRecipe, shapes: list[tuple[int, int]], why: str, changes: list[Change],

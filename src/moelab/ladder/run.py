@@ -9,7 +9,7 @@ an experiment spec's `ladder:` runs the same plan and fit as steps of its DAG (`
 Layout of `--out`:
 
     rungs/<name>/      each rung's training run (resumable: re-running the command skips or resumes)
-    curves.csv         every eval of every rung, in the CURVES.csv contract (`ladder.predict`)
+    curves.csv         every eval of every rung, in the CURVES.csv contract (`ladder.contract`)
     target.csv         the target's planned schedule at its eval steps (TARGET.csv)
     target.yaml        the target's run config, as predicted: `moelab train target.yaml --predicted ...`
     prediction.csv     target rows + loss_pred, lo80, hi80, lo95, hi95 (PRED.csv)
@@ -33,13 +33,13 @@ from moelab.config import RunConfig, dump_yaml
 from moelab.errors import DataError
 from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.predict import fit_curves
-from moelab.ladder.rungs import LadderRecipe, check_monotone, rung_flags, rungs_of
+from moelab.ladder.rungs import LadderRecipe, check_monotone, rung_flags, rungs_of, train_sizes
 from moelab.ladder.task import predict_task
 from moelab.ladder.task_points import TASK_PROBLEMS, checkpoint_compute, score_runs, with_task_checkpoints
 from moelab.presets import EVALS_PER_RUN
 from moelab.train.outputs import METRICS, SUMMARY, read_jsonl
 
-__all__ = ["plan_ladder", "train_sizes", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder",
+__all__ = ["plan_ladder", "rung_dir", "curve_rows", "target_rows", "write_csv", "fit_and_predict", "run_ladder",
            "predict_ladder_task", "TASK_POINTS", "TASK_PREDICTION"]
 
 CURVE_LOSS = "eval/mean"
@@ -88,13 +88,6 @@ def plan_ladder(recipe: LadderRecipe) -> tuple[list[RunConfig], RunConfig]:
     cfg = recipe.target
     every = max(1, cfg.train.steps // EVALS_PER_RUN)
     return rungs, replace(cfg, train=replace(cfg.train, eval_every=every, warmup_steps=every))
-
-
-def train_sizes(cfg: RunConfig) -> dict[str, int]:
-    """Tokens per domain in `cfg`'s training split: what `rungs.data_epochs` counts passes over."""
-    from moelab.train.loop import prepare_corpus  # builds the corpus: only when the data is checked
-
-    return {d: len(tokens) for d, tokens in prepare_corpus(cfg).train.items()}
 
 
 def rung_dir(out: Path, cfg: RunConfig) -> Path:

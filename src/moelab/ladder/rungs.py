@@ -40,7 +40,7 @@ from moelab.errors import ConfigError
 from moelab.presets import make_rung
 
 __all__ = ["LadderRecipe", "rung_lr", "lr_rule_text", "LrRule", "fit_lr_rule", "rungs_of", "preset_recipe", "load_recipe", "recipe_from_data", "plan_rows",
-           "check_monotone", "data_epochs", "repeated_data", "mixed_depth", "too_few_sizes", "rung_flags", "MIN_RUNG_STEPS", "short_rungs",
+           "check_monotone", "train_sizes", "data_epochs", "repeated_data", "recipe_warnings", "mixed_depth", "too_few_sizes", "rung_flags", "MIN_RUNG_STEPS", "short_rungs",
            "regrouped_heads"]
 
 
@@ -116,7 +116,7 @@ def fit_lr_rule(d_model, lr, loss) -> LrRule:
     neighbours on the grid (a parabola in log LR is a local shape: a factor 8 below the optimum a
     short run has not left its first plateau). Sharing the line lets a width whose three points
     barely bracket its optimum lean on the others. Given (ln c, k), m_d and b_d
-    are linear and solved exactly (variable projection, as in `fit`); the search runs over k in
+    are linear and solved exactly (variable projection, as in `laws`); the search runs over k in
     K_RANGE and ln lr* at the widths' geometric mean, a grid then Nelder-Mead.
 
     >>> d, lr = [32] * 3 + [64] * 3, [1e-3, 2e-3, 4e-3, 5e-4, 1e-3, 2e-3]
@@ -231,6 +231,13 @@ def plan_rows(configs: list[RunConfig]) -> list[dict]:
     return rows
 
 
+def train_sizes(cfg: RunConfig) -> dict[str, int]:
+    """Tokens per domain in `cfg`'s training split: what `data_epochs` counts passes over."""
+    from moelab.train.loop import prepare_corpus  # builds the corpus: only when the data is checked
+
+    return {d: len(tokens) for d, tokens in prepare_corpus(cfg).train.items()}
+
+
 def data_epochs(cfg: RunConfig, train_sizes: Mapping[str, int]) -> dict[str, float]:
     """Passes `cfg` makes over each domain's training split (`train_sizes`: tokens per domain).
 
@@ -316,6 +323,17 @@ def repeated_data(configs: list[RunConfig], train_sizes: Mapping[str, int]) -> l
             warnings.append(f"{cfg.name} reads {', '.join(f'{d} {e:.2f}x' for d, e in over.items())}: repeated data "
                             "bends its loss away from the law, so the prediction for it is biased low. Lower those "
                             "domains' weights in data.phases, add data, or train fewer tokens.")
+    return warnings
+
+
+def recipe_warnings(rungs: list[RunConfig], target: RunConfig, read_data: bool = True) -> list[str]:
+    """What `ladder plan` warns about a recipe: each rung too short to be tuned like the others (`short_rungs`),
+    grouping its attention heads unlike the target (`regrouped_heads`) or of another depth (`mixed_depth`), fewer
+    than three sizes (`too_few_sizes`) and, with `read_data`, each run that would read a domain of its data more
+    than once (`repeated_data`)."""
+    warnings = short_rungs(rungs) + regrouped_heads(rungs, target) + mixed_depth(rungs, target) + too_few_sizes(rungs)
+    if read_data:
+        warnings += repeated_data(rungs + [target], train_sizes(target))
     return warnings
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from moelab.errors import DataError
+from moelab.files import atomic_open
 
 __all__ = ["TaskPoint", "TaskLaw", "TaskPrediction", "read_task_points", "write_task_points", "fit_task_law",
            "predict_task"]
@@ -116,14 +117,11 @@ def read_task_points(path: str | Path) -> list[TaskPoint]:
 
 
 def write_task_points(path: str | Path, points: Sequence[TaskPoint]) -> None:
-    """`points` as TASK_POINTS.csv, through a temporary name: a reader sees the old file or the new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    """`points` as TASK_POINTS.csv, written whole (`moelab.files`): a reader sees the old file or the new one."""
+    with atomic_open(path, newline="") as f:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         writer.writerows((p.run, repr(p.compute), repr(p.task_loss), repr(p.accuracy), p.final) for p in points)
-    tmp.replace(path)
 
 
 def _finals(points: Sequence[TaskPoint]) -> list[TaskPoint]:

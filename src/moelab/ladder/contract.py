@@ -1,0 +1,184 @@
+"""The CSV contract of `moelab ladder fit`: the files a ladder's curves come in and its prediction goes out in.
+
+The external-curve contract (`moelab ladder fit --curves CURVES.csv --target TARGET.csv --out PRED.csv`):
+
+    CURVES.csv  run,params,step,tokens,lr,loss     every checkpoint of every rung (>= 2 runs)
+    TARGET.csv  run,params,step,tokens,lr          the planned schedule of the run(s) to predict
+    PRED.csv    TARGET.csv's rows and columns + loss_pred,lo80,hi80,lo95,hi95
+
+`params` is the run's active non-embedding parameter count (`accounting.count_params(...).active`),
+`tokens` what the run has trained on once that step is done, `lr` the LR used at that step. Rows of
+one run have strictly increasing steps; the LR is taken as linear between rows, so log a row at the
+end of warmup and at each schedule break (or at every logged step). Extra columns are ignored and
+carried into PRED.csv. A band value is "nan" where the law says nothing (no tokens trained yet).
+
+Beside PRED.csv lies its sidecar, PRED.json (`sidecar_path`): the fit's summary (`predict.fit_curves`),
+whose `noise` the on-track watcher and the reproduction check read back. Both files are written whole
+(`moelab.files`): a watcher reloading them mid-write sees the old pair or the new one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from moelab.errors import DataError
+from moelab.files import atomic_open, write_text
+from moelab.ladder.curve import Run
+
+__all__ = [
+    "CURVE_COLUMNS",
+    "TARGET_COLUMNS",
+    "BAND_COLUMNS",
+    "read_curves",
+    "read_target",
+    "TargetTable",
+    "read_target_table",
+    "write_prediction",
+    "load_prediction",
+    "sidecar_path",
+    "size_scale_of",
+]
+
+CURVE_COLUMNS = ("run", "params", "step", "tokens", "lr", "loss")
+TARGET_COLUMNS = ("run", "params", "step", "tokens", "lr")
+BAND_COLUMNS = ("loss_pred", "lo80", "hi80", "lo95", "hi95")
+
+
+def _load(path: str | Path, columns: Sequence[str], what: str) -> tuple[list[str], list[tuple[int, dict]]]:
+    """(header, [(line number, row)]) of a CSV that has at least `columns`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} file {path} does not exist; pass a CSV with columns {','.join(columns)}.")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames:
+            raise DataError(f"{path} is empty; expected a header row {','.join(columns)} and one row per step.")
+        header = [name.strip() for name in reader.fieldnames]
+        reader.fieldnames = header
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise DataError(f"{path} lacks column(s) {', '.join(missing)}; it has {', '.join(header)}. "
+                            f"The {what} file needs {','.join(columns)}.")
+        table = []
+        for row in reader:
+            if None in row or None in row.values():
+                raise DataError(f"{path} line {reader.line_num}: the row has a different number of fields "
+                                f"than the header ({len(header)}).")
+            table.append((reader.line_num, row))
+    if not table:
+        raise DataError(f"{path} has a header but no rows; the {what} file needs one row per step.")
+    return header, table
+
+
+def _number(path: Path, line: int, row: dict, column: str, allow_nan: bool = False) -> float:
+    text = row[column].strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise DataError(f"{path} line {line}, column {column!r}: {text!r} is not a number.") from None
+    if not math.isfinite(value) and not (allow_nan and math.isnan(value)):
+        raise DataError(f"{path} line {line}, column {column!r}: {text!r} is not finite; drop that row.")
+    return value
+
+
+def _to_runs(path: str | Path, table: list[tuple[int, dict]],
+             with_loss: bool) -> tuple[list[Run], dict[str, list[int]]]:
+    """Runs in order of first appearance, and for each run the indices of its rows in `table`."""
+    path = Path(path)
+    where: dict[str, list[int]] = {}
+    for i, (line, row) in enumerate(table):
+        name = row["run"].strip()
+        if not name:
+            raise DataError(f"{path} line {line}: column 'run' is empty; every row names its run.")
+        where.setdefault(name, []).append(i)
+    columns = ("params", "step", "tokens", "lr") + (("loss",) if with_loss else ())
+    runs = []
+    for name, indices in where.items():
+        values = {c: np.array([_number(path, *table[i][:2], c) for i in indices]) for c in columns}
+        params = values["params"]
+        if np.any(params != params[0]):
+            j = int(np.argmax(params != params[0]))
+            raise DataError(f"{path} line {table[indices[j]][0]}: run {name!r} changes params from {params[0]:g} "
+                            f"to {params[j]:g}; a run has one size (split it into two runs).")
+        try:
+            runs.append(Run(name, float(params[0]), values["step"], values["tokens"], values["lr"],
+                            values["loss"] if with_loss else None))
+        except DataError as err:
+            raise DataError(f"{path}: {err}") from err
+    return runs, where
+
+
+def read_curves(path: str | Path) -> list[Run]:
+    """The rungs' checkpoints from CURVES.csv (`CURVE_COLUMNS`), validated."""
+    return _to_runs(path, _load(path, CURVE_COLUMNS, "curves")[1], with_loss=True)[0]
+
+
+def read_target(path: str | Path) -> list[Run]:
+    """The planned run(s) from TARGET.csv (`TARGET_COLUMNS`), validated."""
+    return read_target_table(path).runs
+
+
+class TargetTable(NamedTuple):
+    """TARGET.csv as PRED.csv copies it: its columns and rows, extra ones included, and the runs they plan."""
+
+    header: list[str]
+    rows: list[dict]  # as read, text
+    runs: list[Run]
+    where: dict[str, list[int]]  # each run's rows, as indices into `rows`
+
+
+def read_target_table(path: str | Path) -> TargetTable:
+    """TARGET.csv's rows and its planned runs (`read_target`), validated."""
+    header, table = _load(path, TARGET_COLUMNS, "target")
+    runs, where = _to_runs(path, table, with_loss=False)
+    return TargetTable(header, [row for _, row in table], runs, where)
+
+
+def write_prediction(path: Path, target: TargetTable, predictions: Mapping[str, Mapping[str, np.ndarray]],
+                     summary: dict) -> None:
+    """PRED.csv, TARGET.csv's rows with each run's `predictions` (BAND_COLUMNS -> one value per row), and its
+    sidecar holding `summary`; each appears whole."""
+    rows = [dict(row) for row in target.rows]
+    for name, indices in target.where.items():
+        for k, i in enumerate(indices):
+            rows[i].update({c: _format(float(predictions[name][c][k])) for c in BAND_COLUMNS})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(sidecar_path(path), json.dumps(summary, indent=2) + "\n")
+    with atomic_open(path, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=target.header + list(BAND_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _format(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.6f}"
+
+
+def load_prediction(path: str | Path) -> list[dict]:
+    """PRED.csv's rows: `run` as text, every other contract column as a float (bands may be NaN)."""
+    path = Path(path)
+    _, table = _load(path, TARGET_COLUMNS + BAND_COLUMNS, "prediction")
+    numeric = TARGET_COLUMNS[1:] + BAND_COLUMNS
+    return [{"run": row["run"].strip(), **{c: _number(path, line, row, c, allow_nan=c in BAND_COLUMNS)
+                                           for c in numeric}} for line, row in table]
+
+
+def sidecar_path(pred_path: str | Path) -> Path:
+    """PRED.csv's sidecar JSON (the fit summary, the noise and the self-check): PRED.json beside it."""
+    return Path(pred_path).with_suffix(".json")
+
+
+def size_scale_of(noise: dict) -> tuple[float, float]:
+    """(size_exponent, ref_params) of a sidecar's `noise`, for `fit.noise_scale`: (0, 1), no scaling,
+    for a sidecar written before noise scaled with size. ValueError for values `ladder fit` never writes."""
+    exponent, ref = noise.get("size_exponent", 0.0), noise.get("ref_params", 1.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (exponent, ref)) \
+            or ref <= 0:
+        raise ValueError(f"noise.size_exponent={exponent!r}, noise.ref_params={ref!r}")
+    return float(exponent), float(ref)
