@@ -1,6 +1,6 @@
-"""The CSV contract of `moelab ladder fit`: the files a ladder's curves come in and its prediction goes out in.
+"""The CSV contract: the files a ladder's curves come in and its prediction goes out in.
 
-The external-curve contract (`moelab ladder fit --curves CURVES.csv --target TARGET.csv --out PRED.csv`):
+    moelab ladder fit --curves CURVES.csv --target TARGET.csv --out PRED.csv
 
     CURVES.csv  run,params,step,tokens,lr,loss     every checkpoint of every rung (>= 2 runs)
     TARGET.csv  run,params,step,tokens,lr          the planned schedule of the run(s) to predict
@@ -13,8 +13,8 @@ end of warmup and at each schedule break (or at every logged step). Extra column
 carried into PRED.csv. A band value is "nan" where the law says nothing (no tokens trained yet).
 
 Beside PRED.csv lies its sidecar, PRED.json (`sidecar_path`): the fit's summary (`predict.fit_curves`),
-whose `noise` the on-track watcher and the reproduction check read back. Both files are written whole
-(`moelab.files`): a watcher reloading them mid-write sees the old pair or the new one.
+whose `noise` the on-track watcher and the reproduction check read back. Each file is written whole
+(`moelab.files`): a reader finds the old one or the new one, never half of either.
 """
 
 from __future__ import annotations
