@@ -213,7 +213,7 @@ def test_curve_law_fit_recovers_the_generating_law_exactly_from_noiseless_curves
 def test_curve_law_fit_recovers_the_generating_law_from_noisy_curves():
     """Checkpoint noise sd 0.005 (no run offsets). Over 20 seeds the relative errors had sd 0.25% (E),
     7.1% (A), 1.9% (alpha), 5.6% (B), 1.4% (beta), 1.0% (C) and 8.3% (tau), fitting the ~233 rows past
-    the first 15% of each run's tokens (fit.TRANSIENT_FRACTION; the early rows pin B and beta most, so
+    the first 15% of each run's tokens (curve.TRANSIENT_FRACTION; the early rows pin B and beta most, so
     those two spread more than when every row was fitted); tolerances are ~3 sd. The rmse has a
     relative sd of ~4% (1 / sqrt(2n)); its tolerance is ~3.5 sd."""
     law = fit_curve_law(_ladder(np.random.default_rng(1), checkpoint_sd=0.005))

@@ -7,7 +7,7 @@
 `train` writes the run directory of `moelab.train.outputs` (`OUT/config.yaml`, `metrics.jsonl`, ...,
 `summary.json`). What plugs in comes as arguments, so train/ knows nothing of the lab or the ladder:
 sinks (`outputs.Sink`; `moelab.lab.tracking` mirrors the outputs to the ledger or W&B), watchers
-(`Watcher`; `moelab.ladder.predict.OnTrack` checks each eval against a predicted band) and progress
+(`Watcher`; `moelab.ladder.on_track.OnTrack` checks each eval against a predicted band) and progress
 callbacks (`Hooks`; the CLI plugs in a Rich progress bar). Everything a user can get wrong (config, data
 files, vocabulary) is checked before `OUT` is created, so bad input leaves nothing half-written.
 
@@ -231,7 +231,7 @@ class Hooks:
 
 
 class Watcher(Protocol):
-    """Watches a run's evals from outside the loop; `moelab.ladder.predict.OnTrack` (the predicted band) is one.
+    """Watches a run's evals from outside the loop; `moelab.ladder.on_track.OnTrack` (the predicted band) is one.
 
     `check_run(cfg)` runs once, before anything is built (e.g. to warn that it watches for another run).
     `watch(step, eval_mean)` runs at each eval, on every process, with its `eval/mean`; it returns fields
@@ -359,7 +359,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     `summary.json` (and `resumes.jsonl` on a resume). Every record, incident, mixture entry and sample
     also goes to each of `sinks` (e.g. `moelab.lab.tracking`'s), which `train` closes when it returns or
     raises. Each of `watchers` sees every eval's `eval/mean` (`Watcher`): with
-    `moelab.ladder.predict.load_on_track(PRED.csv)` each eval is checked against the predicted 95% band,
+    `moelab.ladder.on_track.load_on_track(PRED.csv)` each eval is checked against the predicted 95% band,
     and two misses in a row are an `off_track` incident. Returns the summary: final `step`, `loss`,
     `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s` (after
     the first step), `compile_s` (the first step), `incidents`. Raises Preempted on SIGTERM / SIGINT.
