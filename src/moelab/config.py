@@ -6,6 +6,9 @@ field, the value and what is allowed. Rules that need two sections (the mesh aga
 batch and the dispatch backend) are `RunConfig`'s, so a config that constructs is one `train` accepts,
 devices permitting. Derive variants with `dataclasses.replace` or `override`; named configs and
 "preset or file plus overrides" are `moelab.presets`.
+
+Why one module of ~800 lines: every cross-field rule lives here (design.md §2), so a reader checks what
+a config may hold in one place; split by section, the rules between sections would scatter.
 """
 
 from __future__ import annotations

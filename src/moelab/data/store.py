@@ -35,6 +35,9 @@ Why plain `.npy` files read by position (docs/data.md "Data at scale" has the me
 were measured slower on exactly those reads), and memory holds only the windows read (a memory map held
 the kernel's page-cache folios around each window); the files are plain arrays any tool can memory-map;
 object storage is a copy of whole shards (fsspec), verified by hash, into a local cache.
+
+Why one module past 600 lines: writing, resuming and verifying a store are one file format's three
+sides; each change to the format touches all three, so they stay side by side.
 """
 
 from __future__ import annotations
