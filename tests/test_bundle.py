@@ -18,8 +18,9 @@ import yaml
 from helpers import run_cli_redirected
 from mutations import fresh_copy
 
-from moelab.lab.bundle import CHAIN, MANIFEST, RECORDS, verify_bundle
+from moelab.lab.bundle import CHAIN, MANIFEST, RECORDS
 from moelab.lab.ledger import open_ledger, records
+from moelab.lab.verify import verify_bundle
 
 EXP = "bun-tiny"
 STEPS = 10
@@ -151,7 +152,7 @@ def _change_reported_value(folder):
     text, n = re.subn(r"(\| eval/mean \| 4 \| \[-inf, 10\] \| )[0-9.]+", r"\g<1>3.21", md.read_text())
     assert n == 1
     md.write_text(text)
-    return "report/report.md: the hypothesis table does not state the bundled metrics' numbers"
+    return "report/report.md: the hypothesis section is not what report/report.json states"
 
 
 def _change_final_eval(folder):
@@ -159,7 +160,7 @@ def _change_final_eval(folder):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows[-1]["eval/mean"] -= 1.0
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return "report/report.md: the hypothesis table does not state"
+    return "report/report.json: the hypothesis table does not state"
 
 
 def _change_config(folder):
@@ -356,7 +357,7 @@ def test_a_rerun_on_other_tokens_than_the_record_is_refused(tmp_path):
     another content) is refused by name before anything runs."""
     from moelab import presets
     from moelab.errors import ConfigError
-    from moelab.lab.bundle import Bundle
+    from moelab.lab.verify import Bundle
     from moelab.lab.reproduce import _check_stores
 
     (tmp_path / "steps/train").mkdir(parents=True)
@@ -561,24 +562,63 @@ def _rearrange_jsonl(name, how):
     return edit
 
 
+def _restate_report(folder, edit):
+    """report.json edited by `edit(document)`, report.md and report.html rendered again from it: a forger who
+    knows the format leaves only report.json's facts against the records to catch the edit."""
+    from moelab.lab.report import render_html, render_markdown
+
+    path = folder / "report/report.json"
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+    figures = {p["name"]: (folder / "report" / f"{p['name']}.png").read_bytes()
+               for s in document["sections"] for p in s["parts"] if p["kind"] == "img"}
+    (folder / "report/report.md").write_text(render_markdown(document))
+    (folder / "report/report.html").write_text(render_html(document, figures))
+
+
+def _parts(document, sid):
+    return next(s["parts"] for s in document["sections"] if s["id"] == sid)
+
+
 def _edit_report_section(section, how):
-    """report.md's samples table or amendments list, edited: both were read by no check (a table row could be
-    dropped, an amendment hidden) until the verify recomputed them from the bundled files and records."""
+    """report.json's samples table or amendments list, edited and re-rendered: both were read by no check (a
+    table row could be dropped, an amendment hidden) until the verify recomputed them from the bundled files
+    and records."""
     def edit(folder):
-        path = folder / "report/report.md"
-        lines = path.read_text().splitlines(keepends=True)
-        start = lines.index(f'<a id="{section}"></a>\n')
+        def change(document):
+            parts = _parts(document, section)
+            if how == "row":
+                next(p for p in parts if p["kind"] == "table")["rows"][0] = ["0", "code", "def", "edited"]
+            else:
+                parts.insert(0, {"kind": "p", "text": "1. a change nobody made (now; ledger record 3); changed: x",
+                                 "record": 3})
+        _restate_report(folder, change)
         if how == "row":
-            first = next(i for i in range(start, len(lines)) if lines[i].startswith("| ") and "---" not in lines[i]
-                         and i > start + 1 and lines[i - 1].startswith("|"))
-            lines[first] = "| 0 | code | def | edited |\n"
-            expected = f"report/report.md: the {section} table does not state"
-        else:
-            lines.insert(start + 2, "1. a change nobody made (now; ledger record 3); changed: x\n\n")
-            expected = "report/report.md: the amendments section names record(s) [3]"
-        path.write_text("".join(lines))
-        return expected
+            return f"report/report.json: the {section} table does not state"
+        return "report/report.json: the amendments section names record(s) [3]"
     return edit
+
+
+def _restate_observed(folder):
+    def change(document):
+        next(p for p in _parts(document, "hypothesis") if p["kind"] == "table")["rows"][0][3] = "3.21"
+    _restate_report(folder, change)
+    return "report/report.json: the hypothesis table does not state the bundled metrics' numbers"
+
+
+def _restate_head(folder):
+    def change(document):
+        table = next(p for p in _parts(document, "reproducibility") if p["kind"] == "table")
+        table["rows"][table["keys"].index("ledger_head")][1] = "0" * 64
+    _restate_report(folder, change)
+    return "report/report.json names ledger head 0000000000000000... at record"
+
+
+def _swap_figure(folder):
+    """Another figure of the same report under the loss curve's name: every PNG file still a PNG."""
+    (folder / "report/loss_curve.png").write_bytes((folder / "report/per_domain_eval.png").read_bytes())
+    return "report/loss_curve.png is not the figure report/report.json names (its SHA-256 differs)"
 
 
 def _edit_json(name, key):
@@ -604,15 +644,66 @@ def _edit_json(name, key):
     pytest.param(_rearrange_jsonl("steps/train/metrics.jsonl", "repeat"), id="metrics-row-repeated"),
     pytest.param(_edit_report_section("samples", "row"), id="report-samples"),
     pytest.param(_edit_report_section("amendments", "insert"), id="report-amendments"),
+    pytest.param(_restate_observed, id="report-observed-value"),
+    pytest.param(_restate_head, id="report-ledger-head"),
+    pytest.param(_swap_figure, id="report-figure"),
 ])
 def test_a_file_a_ledger_record_commits_to_is_checked_against_the_record_even_resealed(lab, tmp_path, edit):
-    """Issue 31: editing a bundled metric and rewriting the manifest line once passed `lab verify`."""
+    """Issue 31: editing a bundled metric and rewriting the manifest line once passed `lab verify`. The report
+    too: report.json (re-rendered into report.md and report.html) against the records, each figure against the
+    SHA-256 report.json names."""
     _, _, bundle, mp = lab
     copy = fresh_copy(bundle, tmp_path / "copy")
     expected = edit(copy)
     reseal(copy)
     code, _, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
     assert code == 1 and expected in " ".join(err.split()), err
+
+
+def test_rewording_a_sentence_of_the_report_template_does_not_break_verify(lab, tmp_path, monkeypatch):
+    """The prose the old verify matched ('ledger records when this report was written') and the decision-rule
+    sentence, reworded: a bundle exported under the new words verifies under the new and the old template, and
+    the fixture's bundle (old words) under the new one."""
+    from moelab.lab import report
+
+    repo, ledger, bundle, mp = lab
+    old, new = "ledger records when this report was written", "records on the ledger as this report was written"
+    table, paragraph = report.Section.table, report.Section.p
+
+    def reworded_table(self, head, rows, keys=None):
+        table(self, [h.replace("observed", "seen") for h in head], [[new if c == old else c for c in r] for r in rows],
+              keys)
+
+    def reworded_p(self, text, **facts):
+        paragraph(self, text.replace("Decision rule:", "The rule that decides it:"), **facts)
+
+    monkeypatch.setattr(report.Section, "table", reworded_table)
+    monkeypatch.setattr(report.Section, "p", reworded_p)
+    reworded = tmp_path / "reworded"
+    code, _, err = cli(mp, ["lab", "export", EXP, "--out", str(reworded), "--ledger", str(ledger)], repo)
+    assert code == 0, err
+    md = (reworded / "report/report.md").read_text()
+    assert new in md and old not in md and "The rule that decides it:" in md and "| seen |" in md
+    for folder in (reworded, bundle):  # new words and old, checked by the reworded template
+        code, _, err = cli(mp, ["lab", "verify", str(folder)], tmp_path)
+        assert code == 0, err
+    monkeypatch.undo()
+    code, _, err = cli(mp, ["lab", "verify", str(reworded)], tmp_path)  # new words, checked by the template as it is
+    assert code == 0, err
+
+
+def test_a_bundle_of_format_version_1_is_refused_naming_its_format(lab, tmp_path):
+    """A bundle written before report.json (format version 1): its report could be checked only by its wording."""
+    _, _, bundle, mp = lab
+    copy = fresh_copy(bundle, tmp_path / "copy")
+    info = json.loads((copy / "bundle.json").read_text())
+    (copy / "bundle.json").write_text(json.dumps({**info, "version": 1}))
+    (copy / "report/report.json").unlink()
+    reseal(copy)
+    code, out, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
+    err = " ".join(err.split())
+    assert code == 1 and out == ""
+    assert "says format 'moelab-bundle' version 1" in err and f"moelab lab export {EXP} --out NEW" in err, err
 
 
 LADDER_SPEC = {
@@ -656,7 +747,7 @@ def test_a_resumed_runs_files_verify_and_a_row_deleted_after_the_resume_does_not
     """A resume from the checkpoint at step 4 cut the files there and logged steps 5-6 again (the metrics with
     another tokens_per_s; the step-5 incident the same): the records it left behind are not missing rows, but
     a row the resumed run committed is (`bundle._check_streamed`)."""
-    from moelab.lab.bundle import _check_streamed
+    from moelab.lab.verify import _check_streamed
 
     def metric(step, speed):
         return {"step": step, "loss": 5.0 - step / 10, "tokens_per_s": speed}

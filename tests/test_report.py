@@ -19,15 +19,9 @@ import yaml
 from helpers import run_cli, run_cli_redirected
 
 from moelab.lab.ledger import append, open_ledger, records, verify
-from moelab.lab.registry import Prediction
-from moelab.lab.report import (
-    CONFIRMED,
-    INCONCLUSIVE,
-    REFUTED,
-    SECTION_IDS,
-    router_load_heatmap,
-    verdict,
-)
+from moelab.lab.plots import router_load_heatmap
+from moelab.lab.registry import CONFIRMED, INCONCLUSIVE, REFUTED, Prediction, verdict
+from moelab.lab.report import SECTION_IDS
 
 SPEC = {
     "id": "rep-tiny",
@@ -64,6 +58,13 @@ def lab(tmp_path_factory):
     finally:
         mp.undo()
     return ledger, spec_path, root
+
+
+def pred_csv(*bands):
+    """prediction.csv as `moelab ladder fit` writes it (the target's rows, then its band): one row per
+    (step, loss_pred, lo80, hi80, lo95, hi95)."""
+    return "run,params,step,tokens,lr,loss_pred,lo80,hi80,lo95,hi95\n" + "".join(
+        f"rep-tiny,1000000,{b[0]},{b[0] * 4096},0.003,{','.join(map(str, b[1:]))}\n" for b in bands)
 
 
 OPTIONAL_FILES = ("prediction.csv", "mixture_log.jsonl", "router_load.jsonl", "samples.jsonl")
@@ -178,7 +179,7 @@ def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):
     ledger, _, root = lab
     run_dir = next((root / "rep-tiny").glob("train-*"))
     extra = {
-        "prediction.csv": "step,loss_pred,lo80,hi80,lo95,hi95\n5,5.0,4.5,5.5,4.0,6.0\n10,4.0,3.5,4.5,3.0,5.0\n",
+        "prediction.csv": pred_csv((5, 5.0, 4.5, 5.5, 4.0, 6.0), (10, 4.0, 3.5, 4.5, 3.0, 5.0)),
         "mixture_log.jsonl": "\n".join(json.dumps(r) for r in [
             {"step": 0, "kind": "change", "phase": "pretrain", "weights": {"code": 0.5, "prose": 0.5},
              "message": "start pretrain"},
@@ -325,7 +326,7 @@ def test_report_plots_the_live_forecast_and_states_the_self_check(lab, tmp_path,
                 for s, f in ((5, 4.2), (10, 4.6))]
     check = {"self_check": {"held_out": ["ladder-d80-l3"], "final_error": -0.052, "mape_after_10pct": 0.04,
                             "trusted": False}}
-    extra = {"prediction.csv": "step,loss_pred,lo80,hi80,lo95,hi95\n5,5.0,4.5,5.5,4.0,6.0\n10,4.0,3.8,4.2,3.7,4.3\n",
+    extra = {"prediction.csv": pred_csv((5, 5.0, 4.5, 5.5, 4.0, 6.0), (10, 4.0, 3.8, 4.2, 3.7, 4.3)),
              "prediction.json": json.dumps(check)}
     try:
         (run_dir / "metrics.jsonl").write_text(metrics + "".join(json.dumps(r) + "\n" for r in forecast))
@@ -348,7 +349,8 @@ def test_plots_are_legible_the_loss_range_follows_the_curves_and_step_0_is_plott
     import base64
     import struct
 
-    from moelab.lab.report import _with_initial, curve_ylim
+    from moelab.lab.plots import curve_ylim
+    from moelab.lab.report import _with_initial
 
     ledger, _, _ = lab
     code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path)],

@@ -18,9 +18,10 @@ import yaml
 from helpers import run_cli_redirected
 
 from moelab.errors import DataError
-from moelab.lab.bundle import open_bundle, verify_bundle
+from moelab.lab.bundle import open_bundle
 from moelab.lab.ledger import append, open_ledger, records
 from moelab.lab.site import INDEX, SITE_JSON, TIMELINE, build_site, publish_site
+from moelab.lab.verify import verify_bundle
 
 STEPS = 10
 # test_bundle's run config: one compile serves the files through the session's compilation cache.
@@ -226,6 +227,7 @@ def test_a_finished_or_abandoned_experiment_cannot_be_abandoned_and_the_ledger_i
 
 
 def test_a_page_write_is_atomic_a_failed_rename_leaves_the_old_page(lab, tmp_path, monkeypatch):
+    from moelab import files
     from moelab.lab import site as site_lib
 
     page = tmp_path / "p.html"
@@ -234,7 +236,7 @@ def test_a_page_write_is_atomic_a_failed_rename_leaves_the_old_page(lab, tmp_pat
     def refuse(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(site_lib.os, "replace", refuse)
+    monkeypatch.setattr(files.os, "replace", refuse)  # site pages are written through moelab.files
     with pytest.raises(OSError):
         site_lib._write_if_changed(page, b"new")
     assert page.read_text() == "old"

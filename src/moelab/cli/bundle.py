@@ -26,7 +26,7 @@ from rich.table import Table
 from moelab.cli.common import DEFAULT_LEDGER, JsonOpt, LedgerOpt, SetOpt, err_console, out_console, print_problem
 from moelab.config import parse_overrides
 from moelab.errors import ConfigError
-from moelab.lab.bundle import MANIFEST, export_bundle, open_bundle, verify_bundle
+from moelab.lab.bundle import MANIFEST, export_bundle, open_bundle
 from moelab.lab.ledger import open_ledger
 
 __all__ = ["export", "verify_bundle_command", "reproduce"]
@@ -68,6 +68,8 @@ def verify_bundle_command(bundle: Path, head: str | None, json_out: bool) -> Non
         raise ConfigError("--head checks a ledger, not a bundle: `moelab lab verify BUNDLE` prints the ledger head "
                           "the bundle links up to; compare that, or run `moelab lab verify --ledger L --head HASH` "
                           "where the ledger is.")
+    from moelab.lab.verify import verify_bundle  # re-renders the report: matplotlib only for this command
+
     with open_bundle(bundle) as folder:
         check = verify_bundle(folder)
     if json_out:

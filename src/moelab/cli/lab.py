@@ -155,7 +155,7 @@ def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOp
 
 
 def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) -> None:
-    from moelab.lab import compare  # reads outcomes through the report: matplotlib only when asked
+    from moelab.lab import compare  # reads run directories (scipy, through the ladder's reader): only when asked
 
     result = compare.compare_experiments(book, exp_id, other)
     if json_out:

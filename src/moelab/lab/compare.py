@@ -7,8 +7,8 @@
 
 Configs are compared *resolved* (a preset plus overrides becomes the full RunConfig), so two specs
 that spell the same run differently show no config difference, and a changed preset default shows
-up where it bites. Outcomes come from the ledger and the training step's metrics, as the report
-reads them; an experiment that has not run yet says so instead of failing.
+up where it bites. Outcomes come from the ledger and the training step's metrics, read as the report
+reads them (`lab.view.experiment_verdict`); an experiment that has not run yet says so instead of failing.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from moelab.config import changed_fields, to_dict
 from moelab.errors import ConfigError
 from moelab.lab.ledger import Ledger
-from moelab.lab.registry import Experiment, load_experiment, resolve_run_config
-from moelab.lab.report import REPRODUCTION, experiment_verdict
+from moelab.lab.registry import REPRODUCTION, Experiment, load_experiment, resolve_run_config
+from moelab.lab.view import experiment_verdict
 
 __all__ = ["ExperimentDiff", "compare_experiments", "resolved_recipe", "outcome", "to_markdown", "to_json"]
 

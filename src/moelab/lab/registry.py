@@ -24,6 +24,9 @@ Registration stores the spec, its content hash, the project's git commit and a t
 ledger. The hash is of the spec's *content* (canonical JSON of the parsed YAML), so comments and
 formatting are free to change but any value is not: a registered spec is immutable, and running it
 after an edit is refused until `amend` records the diff and a reason.
+
+The verdict a finished run gives its prediction (`verdict`) and the band's printed form (`band_text`)
+live here, beside `Prediction`, so the report, the site, `compare` and `reproduce` share one of each.
 """
 
 from __future__ import annotations
@@ -46,10 +49,13 @@ from moelab.lab.ledger import DuplicateRecord, Ledger, Record, append, canonical
 
 TRAIN_STEP = "train"  # the step that trains an experiment's main run (`lab.experiment.experiment_steps`)
 REGISTERED, RUNNING, FINISHED, FAILED, ABANDONED = "registered", "running", "finished", "failed", "abandoned"
+CONFIRMED, REFUTED, INCONCLUSIVE = "confirmed", "refuted", "inconclusive"  # a finished experiment's verdict
+REPRODUCTION = "reproduction"  # the run event `moelab lab reproduce` records
 
 __all__ = ["Prediction", "Spec", "Experiment", "read_spec_file", "parse_spec", "spec_hash", "resolve_run_config",
            "register", "amend", "abandon", "experiment_status", "load_experiment", "experiment_ids", "check_unchanged",
-           "git_state", "to_markdown", "TRAIN_STEP", "REGISTERED", "RUNNING", "FINISHED", "FAILED", "ABANDONED"]
+           "git_state", "to_markdown", "verdict", "band_text", "TRAIN_STEP", "REGISTERED", "RUNNING", "FINISHED", "FAILED",
+           "ABANDONED", "CONFIRMED", "REFUTED", "INCONCLUSIVE", "REPRODUCTION"]
 
 REQUIRED = ("id", "title", "question", "hypothesis", "prediction", "owner")
 OPTIONAL = ("config", "ladder", "resources")
@@ -336,10 +342,35 @@ def amend(ledger: Ledger, exp_id: str, spec_path: str | Path, reason: str) -> Ex
     return load_experiment(ledger, exp_id)
 
 
+def verdict(prediction: Prediction, value: float | None) -> str:
+    """The outcome of `prediction` given the run's final `value` of its metric.
+
+    With a band: confirmed when low <= value <= high (an open side always holds), refuted otherwise.
+    A point prediction alone (`expected`, no band) names no tolerance, so it cannot decide: inconclusive.
+    A missing or non-finite value is inconclusive too.
+
+    >>> verdict(Prediction("eval/mean", "below 2.5", band=(None, 2.5)), 2.1)
+    'confirmed'
+    """
+    if value is None or not math.isfinite(value) or prediction.band is None:
+        return INCONCLUSIVE
+    low, high = prediction.band
+    inside = (low is None or value >= low) and (high is None or value <= high)
+    return CONFIRMED if inside else REFUTED
+
+
+def band_text(band: tuple | None) -> str:
+    """A prediction's band as the report and the site print it: "[-inf, 2.5]", "none" without one."""
+    if band is None:
+        return "none"
+    low, high = band
+    return f"[{'-inf' if low is None else f'{low:g}'}, {'+inf' if high is None else f'{high:g}'}]"
+
+
 def experiment_status(experiment: Experiment) -> str:
     """registered (nothing ran), running, finished (the main run did), failed (a step did, not retried since)
     or abandoned (`moelab lab abandon`), from the experiment's run events."""
-    events = [r.body for r in experiment.runs if r.body.get("event") != "reproduction"]
+    events = [r.body for r in experiment.runs if r.body.get("event") != REPRODUCTION]
     if not events:
         return REGISTERED
     if events[-1].get("event") == ABANDONED:

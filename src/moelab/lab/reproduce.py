@@ -54,10 +54,10 @@ from moelab.accounting import count_params
 from moelab.config import CheckpointConfig, RunConfig, dump_yaml, from_dict, to_dict
 from moelab.data.store import store_hashes
 from moelab.errors import ConfigError
-from moelab.lab.bundle import Bundle, load_bundle, verify_bundle
 from moelab.lab.experiment import Progress
 from moelab.lab.ledger import Record, append, check_chain, open_ledger, records
-from moelab.lab.report import REPRODUCTION
+from moelab.lab.registry import REPRODUCTION
+from moelab.lab.verify import Bundle, load_bundle, verify_bundle
 from moelab.ladder.fit import noise_scale
 from moelab.ladder.contract import size_scale_of
 from moelab.train.outputs import CONFIG, METRICS, SUMMARY, read_jsonl

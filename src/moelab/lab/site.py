@@ -4,7 +4,9 @@
     build_site(ledger, root, out, only="demo-ladder")                           # after an eval: that one's pages
     publish_site("site", "s3://bucket/lab")                                     # only the files that changed
 
-What a reader gets, all from the ledger (and, for a predicted band, the run directories under ROOT):
+What a reader gets, all from the ledger (and, for a predicted band, the run directories under ROOT), as
+`lab.view.experiment_view` reads it (the report reads the same layer; the site draws inline SVG where the
+report has PNG figures, so a page rebuilt at every eval needs no matplotlib):
 `index.html` lists every experiment with its question, status, the pre-registered prediction against the
 outcome, the verdict, its amendments and last change; `exp/<id>.html` holds the spec as registered, the
 hypothesis and decision rule, every amendment with its reason and diff, each run's curves against the
@@ -21,131 +23,36 @@ head at build time and the SHA-256 of every file, which `publish_site` compares 
 Portable: relative links only, no script, no font or style from a network, no absolute path of the
 building machine (record paths are shown relative to ROOT), and a layout that reads at phone width.
 Incremental and atomic: pages hold no build time, so a page whose records did not change is byte-for-byte
-the same and is not rewritten; a changed one is written to a temporary name and renamed into place, so
-a reader never sees half a page. A new eval changes its experiment's page only (the index and timeline
+the same and is not rewritten; a changed one is written whole (`moelab.files`: a temporary name, renamed
+into place), so a reader never sees half a page. A new eval changes its experiment's page only (the index and timeline
 show events, not metrics).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import html
 import json
 import math
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import yaml
 
 from moelab.errors import ConfigError
+from moelab.files import sha256_file, write_bytes
 from moelab.lab.bundle import TAR_SUFFIX, export_bundle
 from moelab.lab.ledger import Ledger, Record, records, verify
-from moelab.data.store import sha256_file
-from moelab.lab.registry import (ABANDONED, FAILED, FINISHED, REGISTERED, RUNNING, TRAIN_STEP, Experiment,
-                                 experiment_status, load_experiment, resolve_run_config)
-from moelab.ladder.rungs import recipe_from_data
-from moelab.lab.report import CONFIRMED, INCONCLUSIVE, REFUTED, verdict
+from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
+                                 TRAIN_STEP, band_text, load_experiment)
+from moelab.lab.view import ExperimentView, RunView, experiment_view, series
 
-__all__ = ["INDEX", "TIMELINE", "SITE_JSON", "REGISTERED", "RUNNING", "FINISHED", "FAILED", "ABANDONED",
-           "ExperimentView", "experiment_view", "svg_curves", "build_site", "publish_site", "Built", "counted"]
+__all__ = ["INDEX", "TIMELINE", "SITE_JSON", "svg_curves", "build_site", "publish_site", "Built", "counted"]
 
 INDEX, TIMELINE, SITE_JSON = "index.html", "timeline.html", "site.json"
 EVENT_KINDS = ("experiment", "amendment", "run")  # what the index and timeline read; metrics stream beside them
 STREAM_KINDS = ("metric", "incident", "mixture")
-
-
-# ----------------------------------------------------------------------------------------------
-# what a page says about one experiment
-
-
-@dataclass
-class RunView:
-    """One training run of an experiment, as its metric, incident and mixture records on the ledger hold it."""
-
-    name: str
-    metrics: list[dict] = field(default_factory=list)
-    incidents: list[dict] = field(default_factory=list)
-    mixture: list[dict] = field(default_factory=list)
-    band: dict[str, list[float]] | None = None  # prediction.csv's columns, for the run a fit predicted
-
-
-@dataclass
-class ExperimentView:
-    experiment: Experiment
-    status: str
-    verdict: str | None  # confirmed / refuted / inconclusive once the main run finished; None before
-    observed: float | None
-    runs: list[RunView]
-    steps: dict[str, list[Record]]  # step -> its run events, in order
-    head: Record  # the newest record of this experiment: what its page reflects
-    last_event: Record  # the newest registration, amendment or run event: what the index shows
-    main: str | None  # the main run's name (its metric records' `run`)
-
-
-def _main_run_name(experiment: Experiment) -> str | None:
-    """The run name the main ("train") step trains under (`lab.experiment.experiment_steps`): what its metric
-    records carry as `run`. A ladder's main run is its recipe's target."""
-    try:
-        spec = experiment.spec
-        if spec.ladder is not None:
-            return recipe_from_data(spec.ladder, f"experiment {experiment.id}: ladder").target.name
-        return resolve_run_config(spec).name
-    except ConfigError:
-        return None
-
-
-def _run_dir(body: dict, root: Path, exp_id: str) -> Path | None:
-    """A run event's output directory, as recorded or, moved with ROOT, at ROOT/<id>/<its name>."""
-    recorded = body.get("output_dir")
-    if not recorded:
-        return None
-    for path in (Path(recorded), root / exp_id / Path(recorded).name):
-        if path.is_dir():
-            return path
-    return None
-
-
-def _read_band(path: Path) -> dict[str, list[float]] | None:
-    import csv
-
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-        cols = ("step", "loss_pred", "lo95", "hi95")
-        return {c: [float(r[c]) for r in rows] for c in cols} if rows else None
-    except (OSError, KeyError, TypeError, ValueError):
-        return None  # no band to draw: the page says so rather than failing the whole site
-
-
-def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Path) -> ExperimentView:
-    """Everything an experiment's page and index row state, from its records (`streams`: its metric, incident
-    and mixture records) and, for the predicted band, the main run's directory under `root`."""
-    runs: dict[str, RunView] = {}
-    head = max([experiment.registration, *experiment.amendments, *experiment.runs], key=lambda r: r.seq)
-    last_event = head
-    for record in streams:
-        head = record if record.seq > head.seq else head
-        run = runs.setdefault(str(record.body.get("run")), RunView(str(record.body.get("run"))))
-        {"metric": run.metrics, "incident": run.incidents, "mixture": run.mixture}[record.kind].append(record.body)
-    steps: dict[str, list[Record]] = {}
-    for record in experiment.runs:
-        steps.setdefault(str(record.body.get("step", record.body.get("event"))), []).append(record)
-    status, main = experiment_status(experiment), _main_run_name(experiment)
-    found, observed = None, None
-    if main in runs:
-        metric = experiment.spec.prediction.metric
-        values = [r[metric] for r in runs[main].metrics if isinstance(r.get(metric), (int, float))]
-        observed = float(values[-1]) if values else None
-        where = next((_run_dir(r.body, root, experiment.id) for r in reversed(steps.get(TRAIN_STEP, []))), None)
-        if where is not None and (where / "prediction.csv").is_file():
-            runs[main].band = _read_band(where / "prediction.csv")
-    if status == FINISHED:
-        found = verdict(experiment.spec.prediction, observed)
-    ordered = sorted(runs.values(), key=lambda r: (r.name == main, r.name))  # the main run last, as it ran
-    return ExperimentView(experiment, status, found, observed, ordered, steps, head, last_event, main)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -283,17 +190,10 @@ def _page(title: str, body: str, home: str, head: Record) -> str:
             "</body></html>\n")
 
 
-def _band_text(band: tuple | None) -> str:
-    if band is None:
-        return "none"
-    low, high = band
-    return f"[{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}]"
-
-
 def _predicted(view: ExperimentView) -> str:
     p = view.experiment.spec.prediction
     expected = "" if p.expected is None else f"{p.expected:g} "
-    return f"{_e(p.metric)} {expected}in {_band_text(p.band)}"
+    return f"{_e(p.metric)} {expected}in {band_text(p.band)}"
 
 
 def _outcome(view: ExperimentView) -> str:
@@ -331,7 +231,7 @@ def _experiment_page(view: ExperimentView, bundle: str | None, bundle_note: str)
              f"<h2 id=\"question\">Question</h2><p>{_e(spec.question)}</p>",
              f"<h2 id=\"hypothesis\">Hypothesis and prediction</h2><p>{_e(spec.hypothesis)}</p>",
              _table(["metric", "expected", "band", "decision rule", "observed", "verdict"],
-                    [[_e(p.metric), _e("-" if p.expected is None else f"{p.expected:g}"), _e(_band_text(p.band)),
+                    [[_e(p.metric), _e("-" if p.expected is None else f"{p.expected:g}"), _e(band_text(p.band)),
                       _e(p.decision_rule), _outcome(view), _badge(view.verdict) or _e(view.status)]])]
     registered = yaml.safe_dump(reg.body["spec"], sort_keys=False)
     parts.append(f"<h2 id=\"spec\">Spec as registered</h2><p>content hash <code>{_e(reg.body.get('spec_hash'))}</code>,"
@@ -367,32 +267,29 @@ def _experiment_page(view: ExperimentView, bundle: str | None, bundle_note: str)
     return _page(f"{exp.id}: {spec.title}", "".join(parts), "../", view.head)
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    kept = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
-    return [s for s, _ in kept], [v for _, v in kept]
-
-
 def _run_section(run: RunView, metric: str, band: tuple | None, main: bool) -> str:
     """A run's plots and tables. The main run's first plot is its pre-registered metric against the fit's
     predicted band, the live forecast and the registered band's edges; then every eval domain; then train loss."""
     parts = [f"<h3>{_e(run.name)}{' (the main run)' if main else ''}</h3>"]
     evals = sorted({k for r in run.metrics for k in r if k.startswith("eval/")})
     if main:
-        series = {metric: _series(run.metrics, metric)}
+        curves = {metric: series(run.metrics, metric)}
         shaded = None
         if run.band is not None:
             shaded = (run.band["step"], run.band["lo95"], run.band["hi95"])
-            series["predicted by the fit"] = (run.band["step"], run.band["loss_pred"])
+            curves["predicted by the fit"] = (run.band["step"], run.band["loss_pred"])
         if any("forecast/final" in r for r in run.metrics):
-            series["live forecast of the final value"] = _series(run.metrics, "forecast/final")
+            curves["live forecast of the final value"] = series(run.metrics, "forecast/final")
         lines = {f"pre-registered {'low' if i == 0 else 'high'} edge": edge
                  for i, edge in enumerate(band or ()) if edge is not None}
         title = f"{run.name}: {metric}" + (" against the predicted 95% band" if shaded else "")
-        parts.append(svg_curves(series, title, band=shaded, hlines=lines))
+        parts.append(svg_curves(curves, title, band=shaded, hlines=lines))
+        if run.band_problem:  # a prediction it was watched against, unreadable: said, not hidden
+            parts.append(f'<p class="note">No predicted band: {_e(run.band_problem)}.</p>')
     if evals:
-        parts.append(svg_curves({k: _series(run.metrics, k) for k in evals}, f"{run.name}: held-out loss by domain"))
+        parts.append(svg_curves({k: series(run.metrics, k) for k in evals}, f"{run.name}: held-out loss by domain"))
     if any("loss" in r for r in run.metrics):
-        parts.append(svg_curves({"train loss": _series(run.metrics, "loss")}, f"{run.name}: train loss"))
+        parts.append(svg_curves({"train loss": series(run.metrics, "loss")}, f"{run.name}: train loss"))
     if evals:
         last = next(r for r in reversed(run.metrics) if any(k in r for k in evals))
         parts.append(_table(["step", *map(_e, evals)], [[_e(last["step"]), *(f"{last[k]:.4f}" if k in last else "-"
@@ -485,9 +382,7 @@ def _write_if_changed(path: Path, data: bytes) -> bool:
     if path.is_file() and path.read_bytes() == data:
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.part")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_bytes(path, data)
     return True
 
 

@@ -1,0 +1,236 @@
+"""What the report and the site state about one experiment, read once: the lab's data layer.
+
+    view = experiment_view(experiment, streams, root)   # the site: status, verdict, runs from ledger records
+    out, record = find_run_dir(experiment)              # the report: the main run's directory ...
+    run = read_run(out, record)                         # ... and every file in it it states
+
+Two renderers (`lab.report`, `lab.site`) and `lab verify` read an experiment; each file and each number
+has one reader here, so they cannot disagree: `read_band` is the one reader of prediction.csv (through
+the ladder's `load_prediction`), `locate_run_dir` the one lookup of a recorded run directory (moved with
+ROOT or not), `series` the one metric series and `final_value` the one observed value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from moelab.errors import ConfigError, DataError
+from moelab.lab.ledger import Record
+from moelab.lab.registry import (FINISHED, TRAIN_STEP, Experiment, experiment_status, resolve_run_config,
+                                 verdict)
+from moelab.ladder.contract import load_prediction
+from moelab.ladder.rungs import recipe_from_data
+from moelab.train.outputs import DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl, read_summary
+
+__all__ = ["PREDICTION", "BAND_COLUMNS", "series", "final_value", "locate_run_dir", "find_run_dir", "find_prediction",
+           "read_band", "RunFiles", "read_run", "experiment_verdict", "RunView", "ExperimentView", "experiment_view"]
+
+PREDICTION = "prediction.csv"  # the fit's predicted band, copied beside a run watched against it
+BAND_COLUMNS = ("step", "loss_pred", "lo80", "hi80", "lo95", "hi95")  # what a plot of the band reads
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key` over the rows that logged it as a number."""
+    kept = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in kept], [v for _, v in kept]
+
+
+def final_value(metrics: list[dict], summary: dict, metric: str) -> tuple[float | None, int | None]:
+    """The last logged value of `metric` and its step; summary.json's `eval` backs up `eval/<domain>`."""
+    for row in reversed(metrics):
+        if isinstance(row.get(metric), (int, float)):
+            return float(row[metric]), row.get("step")
+    if metric.startswith("eval/") and metric[5:] in summary.get("eval", {}):
+        return float(summary["eval"][metric[5:]]), summary.get("step")
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# the run directory
+
+
+def locate_run_dir(body: dict, root: Path | None = None, exp_id: str | None = None) -> Path | None:
+    """A run event's output directory: as recorded or, moved with ROOT, at ROOT/<id>/<its name>; None if neither."""
+    recorded = body.get("output_dir")
+    if not recorded:
+        return None
+    candidates = [Path(recorded)] + ([root / exp_id / Path(recorded).name] if root is not None and exp_id else [])
+    return next((path for path in candidates if path.is_dir()), None)
+
+
+def find_run_dir(experiment: Experiment) -> tuple[Path, dict]:
+    """The training step's output directory of the newest finished run, and that ledger record's body."""
+    finished = [r for r in experiment.runs if r.body.get("step") == TRAIN_STEP
+                and r.body.get("event") in ("finished", "skipped") and r.body.get("output_dir")]
+    if not finished:
+        train_events = [r.body for r in experiment.runs if r.body.get("step") == TRAIN_STEP]
+        if train_events and train_events[-1].get("event") == "preempted":
+            raise ConfigError(f"experiment {experiment.id!r} has no finished run: its training step was preempted at "
+                              f"step {train_events[-1].get('preempted_at')} with a checkpoint saved; resume it with "
+                              f"`moelab lab run {experiment.id}`.")
+        events = ", ".join(sorted({str(r.body.get("event")) for r in experiment.runs})) or "none"
+        raise ConfigError(f"experiment {experiment.id!r} has no finished run (run events on the ledger: {events}); "
+                          f"run it first with `moelab lab run {experiment.id}`.")
+    body = finished[-1].body
+    out = Path(body["output_dir"])
+    if not (out / METRICS).is_file():
+        raise ConfigError(f"experiment {experiment.id!r} ran into {out}, but {out / METRICS} is missing; "
+                          "was the directory moved or deleted? Re-run with `moelab lab run`.")
+    return out, body
+
+
+def find_prediction(out: Path, body: dict) -> Path | None:
+    """The prediction a run was watched against: the one its record names, else prediction.csv beside it (the
+    fit's copy) or in its parent."""
+    named = body.get("predicted") or (body.get("result") or {}).get("predicted")
+    candidates = ([Path(named)] if named else []) + [out / PREDICTION, out.parent / PREDICTION]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def read_band(path: Path) -> tuple[dict[str, list[float]] | None, str | None]:
+    """(prediction.csv's BAND_COLUMNS, None), or (None, why not): a file that cannot be read is stated, so a page
+    says why it has no band instead of showing none as if there were no prediction."""
+    try:
+        rows = load_prediction(path)
+    except (DataError, OSError, UnicodeDecodeError) as e:
+        return None, f"{path.name} cannot be read as a prediction: {e}"
+    if not rows:
+        return None, f"{path.name} holds no rows"
+    return {c: [float(r[c]) for r in rows] for c in BAND_COLUMNS}, None
+
+
+@dataclass
+class RunFiles:
+    """The main run's directory as the training loop wrote it: what the report states and `lab verify` recomputes."""
+
+    out: Path
+    record: dict  # the body of its finished run's ledger record
+    metrics: list[dict]
+    summary: dict
+    prediction: Path | None  # the prediction.csv it was watched against
+    band: dict[str, list[float]] | None  # that file's BAND_COLUMNS
+    band_problem: str | None  # why there is a prediction but no band
+    mixture: list[dict]  # mixture_log.jsonl
+    data: dict | None  # data.json: the token stores it read
+    router_step: int | None
+    router_load: np.ndarray | None  # [layers, experts], the newest logged
+    incidents: list[dict]  # incidents.jsonl, plus any the metrics records carry
+    samples: list[dict]
+
+    def final_value(self, metric: str) -> tuple[float | None, int | None]:
+        return final_value(self.metrics, self.summary, metric)
+
+
+def _router_load(out: Path) -> tuple[int | None, np.ndarray | None]:
+    rows = read_jsonl(out / ROUTER_LOAD)
+    if rows:
+        return rows[-1].get("step"), np.asarray(rows[-1]["load"], dtype=np.float64)
+    if (out / "router_load.npy").is_file():
+        return None, np.load(out / "router_load.npy")
+    return None, None
+
+
+def _incidents(out: Path, metrics: list[dict]) -> list[dict]:
+    incidents = read_jsonl(out / INCIDENTS)
+    seen = {json.dumps(i, sort_keys=True) for i in incidents}
+    for row in metrics:  # incidents carried inside metrics records, if the loop logs them there
+        for i in row.get("incidents", []) if isinstance(row.get("incidents"), list) else []:
+            if json.dumps(i, sort_keys=True) not in seen:
+                incidents.append(i)
+                seen.add(json.dumps(i, sort_keys=True))
+    return sorted(incidents, key=lambda i: i.get("step") or 0)
+
+
+def read_run(out: Path, record: dict) -> RunFiles:
+    """Every file of the run directory `out` that the report states; `record` is its ledger record's body
+    (`{}` reads nothing outside `out` and its parent: what `lab verify` passes for a bundle)."""
+    metrics = read_jsonl(out / METRICS)
+    summary = read_summary(out)
+    prediction = find_prediction(out, record)
+    band, problem = read_band(prediction) if prediction is not None else (None, None)
+    data = json.loads((out / DATA).read_text()) if (out / DATA).is_file() else None
+    step, load = _router_load(out)
+    return RunFiles(out, record, metrics, summary, prediction, band, problem, read_jsonl(out / MIXTURE_LOG), data,
+                    step, load, _incidents(out, metrics), read_jsonl(out / SAMPLES))
+
+
+def experiment_verdict(experiment: Experiment) -> tuple[str, float | None]:
+    """(verdict, observed value) of a run experiment's prediction: what the report's first section states."""
+    out, _ = find_run_dir(experiment)
+    value, _ = final_value(read_jsonl(out / METRICS), read_summary(out), experiment.spec.prediction.metric)
+    return verdict(experiment.spec.prediction, value), value
+
+
+# ----------------------------------------------------------------------------------------------
+# the experiment as its ledger records hold it
+
+
+@dataclass
+class RunView:
+    """One training run of an experiment, as its metric, incident and mixture records on the ledger hold it."""
+
+    name: str
+    metrics: list[dict] = field(default_factory=list)
+    incidents: list[dict] = field(default_factory=list)
+    mixture: list[dict] = field(default_factory=list)
+    band: dict[str, list[float]] | None = None  # prediction.csv's BAND_COLUMNS, for the run a fit predicted
+    band_problem: str | None = None  # why a prediction.csv it was watched against gives no band
+
+
+@dataclass
+class ExperimentView:
+    experiment: Experiment
+    status: str
+    verdict: str | None  # confirmed / refuted / inconclusive once the main run finished; None before
+    observed: float | None
+    runs: list[RunView]
+    steps: dict[str, list[Record]]  # step -> its run events, in order
+    head: Record  # the newest record of this experiment: what its page reflects
+    last_event: Record  # the newest registration, amendment or run event: what the index shows
+    main: str | None  # the main run's name (its metric records' `run`)
+
+
+def _main_run_name(experiment: Experiment) -> str | None:
+    """The run name the main ("train") step trains under (`lab.experiment.experiment_steps`): what its metric
+    records carry as `run`. A ladder's main run is its recipe's target."""
+    try:
+        spec = experiment.spec
+        if spec.ladder is not None:
+            return recipe_from_data(spec.ladder, f"experiment {experiment.id}: ladder").target.name
+        return resolve_run_config(spec).name
+    except ConfigError:
+        return None
+
+
+def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Path) -> ExperimentView:
+    """Everything an experiment's page and index row state, from its records (`streams`: its metric, incident
+    and mixture records) and, for the predicted band, the main run's directory under `root`."""
+    runs: dict[str, RunView] = {}
+    head = max([experiment.registration, *experiment.amendments, *experiment.runs], key=lambda r: r.seq)
+    last_event = head
+    for record in streams:
+        head = record if record.seq > head.seq else head
+        run = runs.setdefault(str(record.body.get("run")), RunView(str(record.body.get("run"))))
+        {"metric": run.metrics, "incident": run.incidents, "mixture": run.mixture}[record.kind].append(record.body)
+    steps: dict[str, list[Record]] = {}
+    for record in experiment.runs:
+        steps.setdefault(str(record.body.get("step", record.body.get("event"))), []).append(record)
+    status, main = experiment_status(experiment), _main_run_name(experiment)
+    found, observed = None, None
+    if main in runs:
+        values = series(runs[main].metrics, experiment.spec.prediction.metric)[1]
+        observed = values[-1] if values else None
+        body = steps[TRAIN_STEP][-1].body if steps.get(TRAIN_STEP) else {}  # the newest training event's run
+        where = locate_run_dir(body, root, experiment.id)
+        prediction = find_prediction(where, body) if where is not None else None
+        if prediction is not None:
+            runs[main].band, runs[main].band_problem = read_band(prediction)
+    if status == FINISHED:
+        found = verdict(experiment.spec.prediction, observed)
+    ordered = sorted(runs.values(), key=lambda r: (r.name == main, r.name))  # the main run last, as it ran
+    return ExperimentView(experiment, status, found, observed, ordered, steps, head, last_event, main)
