@@ -10,7 +10,8 @@ Modules, each importing only those above it (and lower layers):
 - `experiment`: an experiment's spec turned into such a DAG (ladder rungs, fit, main run) and run
   with its events on the ledger.
 - `view`: the data layer: what an experiment's records and run directory say, read once for the report,
-  the site and `lab verify` (the one reader of prediction.csv, the run-directory lookup, series, verdict).
+  the site and `lab verify` (the one reader of prediction.csv, the run-directory lookup, metric series and
+  a run's observed value).
 - `plots`: the report's figures (matplotlib PNGs).
 - `report`: the report's sections as report.json, and report.html / report.md rendered from it.
 - `compare`: what two experiments differ in (`lab show --diff`).

@@ -26,7 +26,8 @@ formatting are free to change but any value is not: a registered spec is immutab
 after an edit is refused until `amend` records the diff and a reason.
 
 The verdict a finished run gives its prediction (`verdict`) and the band's printed form (`band_text`)
-live here, beside `Prediction`, so the report, the site, `compare` and `reproduce` share one of each.
+live here, beside `Prediction`: the report and the site share one of each, and `compare` and `reproduce`
+read outcomes without importing the report (and its matplotlib).
 """
 
 from __future__ import annotations
