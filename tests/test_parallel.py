@@ -100,7 +100,8 @@ def _reference(grad_fn, inputs, latent: bool):
     """The single-device dense result, shared by the meshes and wave counts that compare against it."""
     key = (grad_fn, latent)
     if key not in _references:
-        _references[key] = grad_fn(*inputs(latent), _cfg("dense", latent), None)
+        cfg = _cfg("dense", latent)
+        _references[key] = grad_fn(*inputs(latent), cfg, ep.make_dispatch(cfg.moe))
     return _references[key]
 
 
