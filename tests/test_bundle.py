@@ -571,7 +571,7 @@ def _restate_report(folder, edit):
     document = json.loads(path.read_text())
     edit(document)
     path.write_text(json.dumps(document))
-    figures = {p["name"]: (folder / "report" / f"{p['name']}.png").read_bytes()
+    figures = {p["name"]: (folder / "report" / f"{p['name']}.svg").read_bytes()
                for s in document["sections"] for p in s["parts"] if p["kind"] == "img"}
     (folder / "report/report.md").write_text(render_markdown(document))
     (folder / "report/report.html").write_text(render_html(document, figures))
@@ -616,9 +616,9 @@ def _restate_head(folder):
 
 
 def _swap_figure(folder):
-    """Another figure of the same report under the loss curve's name: every PNG file still a PNG."""
-    (folder / "report/loss_curve.png").write_bytes((folder / "report/per_domain_eval.png").read_bytes())
-    return "report/loss_curve.png is not the figure report/report.json names (its SHA-256 differs)"
+    """Another figure of the same report under the loss curve's name: every SVG file still an SVG."""
+    (folder / "report/loss_curve.svg").write_bytes((folder / "report/per_domain_eval.svg").read_bytes())
+    return "report/loss_curve.svg is not the figure report/report.json names (its SHA-256 differs)"
 
 
 def _edit_json(name, key):

@@ -11,6 +11,8 @@ import os
 import re
 import shutil
 import subprocess
+import xml.etree.ElementTree as ET
+from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import yaml
 from helpers import run_cli, run_cli_redirected
 
 from moelab.lab.ledger import append, open_ledger, records, verify
-from moelab.lab.plots import router_load_heatmap
+from moelab.lab.plots import mixture_plot, router_load_heatmap
 from moelab.lab.registry import CONFIRMED, INCONCLUSIVE, REFUTED, Prediction, verdict
 from moelab.lab.report import SECTION_IDS
 
@@ -109,10 +111,45 @@ def test_verdict(band, value, expected):
     assert verdict(p, value) == expected
 
 
-def test_router_load_heatmap_is_png_and_checks_shape():
-    assert router_load_heatmap(np.full((2, 8), 1 / 8), step=5)[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="layers, experts"):
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def standalone(svg):
+    """The root of a figure that renders as a file of its own: well-formed XML in the SVG namespace, sized."""
+    root = ET.fromstring(svg)
+    assert root.tag == f"{SVG}svg" and {"width", "height", "viewBox"} <= set(root.attrib), root.attrib
+    return root
+
+
+def test_router_load_heatmap_is_a_standalone_svg_colouring_each_cell_by_its_load_and_checks_shape():
+    root = standalone(router_load_heatmap(np.array([[0.5, 0.1], [0.2, 0.2]]), step=5))
+    cells = {r.find(f"{SVG}title").text: r.get("fill") for r in root.iter(f"{SVG}rect")
+             if r.find(f"{SVG}title") is not None}
+    middle = cells["layer 1, expert 0: 0.2"]
+    assert cells == {"layer 0, expert 0: 0.5": "#fde725", "layer 0, expert 1: 0.1": "#440154",  # viridis' two ends
+                     "layer 1, expert 0: 0.2": middle, "layer 1, expert 1: 0.2": middle}
+    assert middle not in ("#fde725", "#440154")
+    assert root.find(f"{SVG}title").text == "router load at step 5"
+    with pytest.raises(ValueError, match=r"router load must be \[layers, experts\], got shape \(8,\)"):
         router_load_heatmap(np.ones(8))
+
+
+def test_mixture_plot_stacks_the_shares_of_the_tokens_drawn_between_snapshots():
+    """100 code + 100 prose tokens by step 5, then 20 + 80 more: code is half of steps 0-5 and a fifth of
+    steps 5-10 (not the cumulative 120/300), prose on top of it up to 1."""
+    root = standalone(mixture_plot([{"step": 5, "tokens": {"code": 100, "prose": 100}},
+                                    {"step": 10, "tokens": {"code": 120, "prose": 180}}]))
+    frame = next(r for r in root.iter(f"{SVG}rect") if r.get("stroke"))
+    top, bottom = float(frame.get("y")), float(frame.get("y")) + float(frame.get("height"))
+    areas = {a.find(f"{SVG}title").text: [tuple(map(float, xy.split(","))) for xy in a.get("points").split()]
+             for a in root.iter(f"{SVG}polygon")}
+    assert set(areas) == {"code", "prose"}
+
+    def upper_edge(name):  # the share the area reaches in each stretch, from its first half of points
+        points = areas[name][:len(areas[name]) // 2]
+        return [round((bottom - y) / (bottom - top), 3) for _, y in points[::2]]
+
+    assert upper_edge("code") == [0.5, 0.2] and upper_edge("prose") == [1.0, 1.0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,18 +169,25 @@ def test_report_sections_and_confirmed_verdict(lab, tmp_path, monkeypatch, capsy
         assert len(re.sub(r"<[^>]+>", "", section(page, sid)).strip()) > 20, sid
         assert f'<a id="{sid}"></a>' in md
     assert "CONFIRMED" in section(page, "hypothesis")
-    assert section(page, "loss-curve").count("data:image/png;base64,") == 1
+    assert section(page, "loss-curve").count("<svg") == 1
     assert "No predicted band" in section(page, "loss-curve")
-    assert "eval/code" in section(page, "per-domain-eval") and "<img" in section(page, "per-domain-eval")
+    assert "eval/code" in section(page, "per-domain-eval") and "<svg" in section(page, "per-domain-eval")
     assert "No mixture log" in section(page, "mixture")
-    assert "No per-layer router load" in section(page, "router") and "<img" in section(page, "router")
-    assert "<img" in section(page, "norms-incidents")
+    assert "No per-layer router load" in section(page, "router") and "<svg" in section(page, "router")
+    assert "<svg" in section(page, "norms-incidents")
     assert "None: the spec ran as registered" in section(page, "amendments")
     assert "No samples" in section(page, "samples")
     repro = section(page, "reproducibility")
     assert "moelab lab run rep-tiny" in repro and "config.yaml" in repro
     assert "never (one uninterrupted run)" in repro
-    assert (out / "loss_curve.png").is_file() and "![loss_curve](loss_curve.png)" in md
+    assert (out / "loss_curve.svg").is_file() and "![loss_curve](loss_curve.svg)" in md
+    figures = [p for s in json.loads((out / "report.json").read_text())["sections"] for p in s["parts"]
+               if p["kind"] == "img"]
+    for part in figures:  # each file hashes as report.json says, renders alone, and is inline in the page as it is
+        data = (out / f"{part['name']}.svg").read_bytes()
+        assert sha256(data).hexdigest() == part["sha256"] and data.decode() in page, part["name"]
+        standalone(data)
+    assert len(figures) == page.count("<svg") >= 3
 
     # the default directory: the run's own, with whatever the loop wrote (a mixture log, once it does)
     code, stdout, _ = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger)], monkeypatch, capsys)
@@ -202,9 +246,9 @@ def test_report_reads_optional_files(lab, tmp_path, monkeypatch, capsys):
     assert "CONFIRMED" in section(page, "hypothesis")
     assert "Predicted band from" in section(page, "loss-curve")
     mixture = section(page, "mixture")
-    assert "switch to midtrain &lt;b&gt;" in mixture and "<img" in mixture  # messages are escaped
+    assert "switch to midtrain &lt;b&gt;" in mixture and "<svg" in mixture  # messages are escaped
     assert "ab12" * 16 in mixture and "/d/web-0.jsonl" in mixture and "cd34" * 16 in mixture and "9000" in mixture
-    assert section(page, "router").count("<img") == 2
+    assert section(page, "router").count("<svg") == 2
     assert "x10)" in section(page, "samples") and "def f(" in section(page, "samples")
 
 
@@ -301,10 +345,10 @@ def test_the_report_fits_a_1024_px_window_in_headless_chromium(lab, tmp_path, mo
     reaches past the window (measured on the DOM by a script added to a copy of the page); a screenshot
     of the same window is taken beside it for a reader."""
     chromium, report = _report_and_chromium(lab, tmp_path, monkeypatch, capsys)
-    probe = ("<script>const over = [...document.querySelectorAll('img,table,pre')].filter("
+    probe = ("<script>const over = [...document.querySelectorAll('svg,table,pre')].filter("
              "e => e.getBoundingClientRect().right > window.innerWidth + 1).length;"
              "document.body.setAttribute('data-fit', JSON.stringify({page: document.documentElement.scrollWidth, "
-             "view: window.innerWidth, over: over, imgs: document.images.length}));</script></body>")
+             "view: window.innerWidth, over: over, imgs: document.querySelectorAll('svg').length}));</script></body>")
     page = tmp_path / "r" / "probe.html"
     page.write_text(report.read_text().replace("</body>", probe))
     done = _chromium(chromium, tmp_path, "--window-size=1024,768", "--virtual-time-budget=2000", "--dump-dom",
@@ -337,18 +381,16 @@ def test_report_plots_the_live_forecast_and_states_the_self_check(lab, tmp_path,
         (run_dir / "metrics.jsonl").write_text(metrics)
     assert code == 0, err
     loss = section((tmp_path / "report.html").read_text(), "loss-curve")
-    assert loss.count("<img") == 2 and "forecast/final" in loss
+    assert loss.count("<svg") == 2 and "forecast/final" in loss
     assert "refitted without ladder-d80-l3, the law predicted its final loss -5.20% off" in loss
     assert "FAILED: the prediction is not to be trusted" in loss
 
 
 def test_plots_are_legible_the_loss_range_follows_the_curves_and_step_0_is_plotted(lab, tmp_path, monkeypatch,
                                                                                    capsys):
-    """Every plot is at least 900 px wide; a band much wider than the curves does not set the y-range; the
-    per-domain series start at step 0 (eval_initial) like the table; long cells and commands wrap."""
-    import base64
-    import struct
-
+    """Every plot is at least 900 px wide with text that reads at 12 px or more in the page's 960 px column; a band
+    much wider than the curves does not set the y-range; the per-domain series start at step 0 (eval_initial)
+    like the table; long cells and commands wrap."""
     from moelab.lab.plots import curve_ylim
     from moelab.lab.report import _with_initial
 
@@ -357,14 +399,17 @@ def test_plots_are_legible_the_loss_range_follows_the_curves_and_step_0_is_plott
                            monkeypatch, capsys)
     assert code == 0, err
     page = (tmp_path / "report.html").read_text()
-    pngs = [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
-    assert pngs
-    for png in pngs:
-        width = struct.unpack(">I", png[16:20])[0]  # the IHDR chunk's width
+    roots = [ET.fromstring(m) for m in re.findall(r"<svg .*?</svg>", page, re.DOTALL)]
+    assert roots
+    for root in roots:
+        width = float(root.get("viewBox").split()[2])
+        shown = min(1.0, 960 / width)  # a figure wider than the column (max-width 60rem) is scaled down to it
+        sizes = [float(e.get("font-size")) for e in root.iter() if e.get("font-size")]
+        assert sizes and min(sizes) * shown >= 12, (width, sizes)
         if width < 600:  # the router heatmap is sized by its experts; the line plots are not
             continue
         assert width >= 900, width
-    assert sum(struct.unpack(">I", p[16:20])[0] >= 900 for p in pngs) >= 3
+    assert sum(float(r.get("viewBox").split()[2]) >= 900 for r in roots) >= 3
     assert "white-space:pre-wrap" in page and "overflow-wrap:anywhere" in page
     lo, hi = curve_ylim({"eval/mean": ([10, 20], [2.0, 1.8])})
     assert 1.7 < lo < 1.8 and 2.0 < hi < 2.1  # a 0-7 band would not widen it

@@ -68,7 +68,7 @@ def verify_bundle_command(bundle: Path, head: str | None, json_out: bool) -> Non
         raise ConfigError("--head checks a ledger, not a bundle: `moelab lab verify BUNDLE` prints the ledger head "
                           "the bundle links up to; compare that, or run `moelab lab verify --ledger L --head HASH` "
                           "where the ledger is.")
-    from moelab.lab.verify import verify_bundle  # re-renders the report: matplotlib only for this command
+    from moelab.lab.verify import verify_bundle  # re-renders the report: scipy only for this command
 
     with open_bundle(bundle) as folder:
         check = verify_bundle(folder)

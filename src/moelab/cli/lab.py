@@ -379,6 +379,6 @@ def report(
                                                              "(default: the run's directory / report).")] = None,
 ) -> None:
     """Write an experiment's report (self-contained HTML and Markdown) and print the HTML path."""
-    from moelab.lab.report import write_report  # matplotlib: only for the command that plots
+    from moelab.lab.report import write_report  # scipy (the ladder's prediction reader): only for this command
 
     print(write_report(open_ledger(ledger), exp_id, out))

@@ -12,7 +12,7 @@ Modules, each importing only those above it (and lower layers):
 - `view`: the data layer: what an experiment's records and run directory say, read once for the report,
   the site and `lab verify` (the one reader of prediction.csv, the run-directory lookup, metric series and
   a run's observed value).
-- `plots`: the report's figures (matplotlib PNGs).
+- `plots`: the one plot stack, SVG as text: the site's curves and the report's figures.
 - `report`: the report's sections as report.json, and report.html / report.md rendered from it.
 - `compare`: what two experiments differ in (`lab show --diff`).
 - `bundle`: an experiment exported as a portable bundle (`lab export`), and opening one.
@@ -24,5 +24,5 @@ Modules, each importing only those above it (and lower layers):
 The `moelab lab` and `moelab demo` commands live in `moelab.cli`.
 
 Nothing here imports Ray or JAX at import time: Ray loads only for `--backend ray`, JAX only when a
-training step runs; matplotlib only with `plots` (the report, export and verify).
+training step runs.
 """

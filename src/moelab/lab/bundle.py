@@ -17,7 +17,7 @@ folder as a `.tar.gz`):
     steps/<step>/          each step's files: config.yaml (the resolved config), step.json, metrics.jsonl,
                            incidents.jsonl, mixture_log.jsonl, summary.json, prediction.csv + .json, ...
                            (checkpoints stay behind); store-<i>-manifest.json: the token stores it read
-    report/                report.json (the sections as stated), report.md, report.html and the plots,
+    report/                report.json (the sections as stated), report.md, report.html and the plots (.svg),
                            written at export (`lab.report`)
     MANIFEST.sha256        the SHA-256 of every other file, `sha256sum -c` format
 
@@ -114,7 +114,7 @@ def _write_manifest(folder: Path) -> str:
 
 
 def _fill(folder: Path, ledger: Ledger, exp_id: str) -> dict:
-    from moelab.lab.report import write_report  # matplotlib: only when a bundle is written (`moelab` starts without)
+    from moelab.lab.report import write_report  # scipy (via `view`): only for a bundle (`moelab` starts without)
 
     chain = verify(ledger)
     if not chain.ok:

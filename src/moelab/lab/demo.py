@@ -47,7 +47,7 @@ def run_demo(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Pat
              progress: Progress | None = None) -> DemoResult:
     """Run the experiment's steps (local backend, each training step under `progress`); once all have
     succeeded, write its report (HTML + Markdown) and read the prediction's verdict."""
-    from moelab.lab.report import write_report  # matplotlib: only once there is a report
+    from moelab.lab.report import write_report  # scipy (through `view`): only once there is a report
     from moelab.lab.site import INDEX, build_site
     from moelab.lab.view import experiment_verdict  # scipy (the ladder's prediction reader): not at `moelab` start-up
 

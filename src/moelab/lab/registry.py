@@ -27,7 +27,7 @@ after an edit is refused until `amend` records the diff and a reason.
 
 The verdict a finished run gives its prediction (`verdict`) and the band's printed form (`band_text`)
 live here, beside `Prediction`: the report and the site share one of each, and `compare` and `reproduce`
-read outcomes without importing the report (and its matplotlib).
+read outcomes without importing the report (and, through `view`, the ladder's scipy).
 """
 
 from __future__ import annotations

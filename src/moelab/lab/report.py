@@ -10,18 +10,18 @@ prediction.csv, mixture log, data.json, router load, samples). Every section has
 the page's shape never depends on the run.
 
 report.json holds the sections as stated: each part's text, each table's cells, each figure's name and
-SHA-256, and the facts a part states beside its words (an amendment's ledger record, the key of each
-reproducibility row). report.html (self-contained, figures inline, no script) and report.md (figures as
-the PNG files beside it, `lab.plots`) are renderings of it and nothing else, so `moelab lab verify`
-re-renders them from report.json and checks report.json's facts against the records (`stated_tables`)
-instead of reading the prose: any sentence can be reworded. The reproducibility section names the
-ledger's record count and head hash at writing time, so a reader who keeps the report can later prove
-the ledger was not cut short (`moelab lab verify --head`).
+SHA-256 (of its .svg file, drawn by `lab.plots`), and the facts a part states beside its words (an
+amendment's ledger record, the key of each reproducibility row). report.html (self-contained, each figure's
+SVG inline, byte for byte its file's text; no script) and report.md (figures linked as the .svg files beside
+it) are renderings of it and nothing else, so `moelab lab verify` re-renders them from report.json and
+checks report.json's facts against the records (`stated_tables`) instead of reading the prose: any
+sentence can be reworded. The reproducibility section names the ledger's record count and head hash at
+writing time, so a reader who keeps the report can later prove the ledger was not cut short (`moelab lab
+verify --head`).
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import html
 import json
@@ -59,7 +59,7 @@ class Section:
     id: str
     title: str
     parts: list[dict] = field(default_factory=list)  # {"kind": p|note|pre|table|img, ...}: report.json's parts
-    figures: dict[str, bytes] = field(default_factory=dict)  # an img part's PNG, written beside report.json
+    figures: dict[str, bytes] = field(default_factory=dict)  # an img part's SVG (UTF-8), written beside report.json
 
     def p(self, text: str, **facts: Any) -> None:
         self.parts.append({"kind": "p", "text": text, **facts})
@@ -75,9 +75,10 @@ class Section:
         part = {"kind": "table", "head": list(head), "rows": [[_cell(c) for c in r] for r in rows]}
         self.parts.append(part if keys is None else {**part, "keys": list(keys)})
 
-    def img(self, name: str, png: bytes) -> None:
-        self.figures[name] = png
-        self.parts.append({"kind": "img", "name": name, "sha256": hashlib.sha256(png).hexdigest()})
+    def img(self, name: str, svg: str) -> None:
+        data = svg.encode()
+        self.figures[name] = data
+        self.parts.append({"kind": "img", "name": name, "sha256": hashlib.sha256(data).hexdigest()})
 
 
 def _cell(value: Any) -> str:
@@ -87,8 +88,8 @@ def _cell(value: Any) -> str:
 
 
 def figure_name(name: str) -> str:
-    """The file an img part's PNG is written to, beside report.json."""
-    return f"{name}.png"
+    """The file an img part's SVG is written to, beside report.json."""
+    return f"{name}.svg"
 
 
 def _hypothesis(experiment: Experiment, run: RunFiles) -> Section:
@@ -395,7 +396,7 @@ _CSS = """body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto
 table{border-collapse:collapse;margin:.5rem 0;max-width:100%}td,th{border:1px solid #ccc;padding:.25rem .5rem;
 text-align:left;vertical-align:top;overflow-wrap:anywhere}pre{background:#f5f5f5;padding:.5rem;white-space:pre-wrap;
 overflow-wrap:anywhere}.note{color:#666;font-style:italic}
-img{max-width:100%}section{border-top:1px solid #ddd;margin-top:1.5rem}"""
+svg{max-width:100%;height:auto}section{border-top:1px solid #ddd;margin-top:1.5rem}"""
 
 
 def _html_part(part: dict, figures: dict[str, bytes]) -> str:
@@ -410,8 +411,7 @@ def _html_part(part: dict, figures: dict[str, bytes]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in part["head"])
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in part["rows"])
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-    data = base64.b64encode(figures[part["name"]]).decode()
-    return f'<img alt="{html.escape(part["name"])}" src="data:image/png;base64,{data}">'
+    return figures[part["name"]].decode()  # the file's own text: what report.json's SHA-256 names
 
 
 def _md_cell(text: str) -> str:
@@ -439,7 +439,7 @@ def html_section(section: dict, figures: dict[str, bytes]) -> str:
 
 
 def render_html(document: dict, figures: dict[str, bytes]) -> str:
-    """report.html: `document` (report.json) with its figures (PNG bytes by name) inline."""
+    """report.html: `document` (report.json) with its figures (the .svg files' bytes, by name) inline."""
     title = html.escape(document["title"])
     body = "\n".join(html_section(s, figures) for s in document["sections"])
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>\n'
@@ -458,7 +458,7 @@ def render_markdown(document: dict) -> str:
 
 
 def write_report(ledger: Ledger, exp_id: str, out_dir: str | Path | None = None) -> Path:
-    """Write report.json, report.html (self-contained), report.md and its PNGs for `exp_id`; returns the HTML path.
+    """Write report.json, report.html (self-contained), report.md and its SVGs for `exp_id`; returns the HTML path.
 
     `out_dir` defaults to the run's output directory / "report". ConfigError for an unknown id or an
     experiment without a finished run.
@@ -468,9 +468,9 @@ def write_report(ledger: Ledger, exp_id: str, out_dir: str | Path | None = None)
     experiment, sections = build_sections(ledger, exp_id, report_dir=out)
     out.mkdir(parents=True, exist_ok=True)
     document = report_document(f"[{experiment.id}] {experiment.spec.title}", sections)
-    figures = {name: png for s in sections for name, png in s.figures.items()}
-    for name, png in figures.items():
-        write_bytes(out / figure_name(name), png)
+    figures = {name: data for s in sections for name, data in s.figures.items()}
+    for name, data in figures.items():
+        write_bytes(out / figure_name(name), data)
     write_json(out / REPORT_JSON, document)
     write_text(out / "report.md", render_markdown(document))
     write_text(out / "report.html", render_html(document, figures))

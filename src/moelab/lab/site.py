@@ -5,8 +5,7 @@
     publish_site("site", "s3://bucket/lab")                                     # only the files that changed
 
 What a reader gets, all from the ledger (and, for a predicted band, the run directories under ROOT), as
-`lab.view.experiment_view` reads it (the report reads the same layer; the site draws inline SVG where the
-report has PNG figures, so a page rebuilt at every eval needs no matplotlib):
+`lab.view.experiment_view` reads it (the report reads the same layer, and both draw with `lab.plots`):
 `index.html` lists every experiment with its question, status, the pre-registered prediction against the
 outcome, the verdict, its amendments and last change; `exp/<id>.html` holds the spec as registered, the
 hypothesis and decision rule, every amendment with its reason and diff, each run's curves against the
@@ -33,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import html
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -44,103 +42,16 @@ from moelab.errors import ConfigError
 from moelab.files import sha256_file, write_bytes
 from moelab.lab.bundle import TAR_SUFFIX, export_bundle
 from moelab.lab.ledger import Ledger, Record, records, verify
+from moelab.lab.plots import svg_curves
 from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
                                  TRAIN_STEP, band_text, load_experiment)
 from moelab.lab.view import ExperimentView, RunView, experiment_view, series
 
-__all__ = ["INDEX", "TIMELINE", "SITE_JSON", "svg_curves", "build_site", "publish_site", "Built", "counted"]
+__all__ = ["INDEX", "TIMELINE", "SITE_JSON", "build_site", "publish_site", "Built", "counted"]
 
 INDEX, TIMELINE, SITE_JSON = "index.html", "timeline.html", "site.json"
 EVENT_KINDS = ("experiment", "amendment", "run")  # what the index and timeline read; metrics stream beside them
 STREAM_KINDS = ("metric", "incident", "mixture")
-
-
-# ----------------------------------------------------------------------------------------------
-# plots: inline SVG, no script, no network
-
-
-_COLOURS = ("#1f5fa8", "#c2571a", "#2b8a3e", "#8e3ea8", "#9a7b00", "#555555")
-
-
-def counted(n: int, noun: str) -> str:
-    """'1 experiment', '2 experiments': what a reader sees instead of '1 experiment(s)'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if not math.isfinite(lo) or not math.isfinite(hi) or hi <= lo:
-        return [lo]
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    return [k * step for k in range(math.ceil(lo / step), math.floor(hi / step) + 1)]
-
-
-def svg_curves(series: dict[str, tuple[list[float], list[float]]], title: str,
-               band: tuple[list[float], list[float], list[float]] | None = None,
-               hlines: dict[str, float] | None = None, width: int = 640, height: int = 300) -> str:
-    """Line plots of `series` ({label: (steps, values)}) with an optional shaded band (steps, lo, hi) and
-    labelled horizontal lines, as one inline <svg> that scales to its container (viewBox)."""
-    pad_l, pad_r, pad_t, pad_b = 56, 12, 28, 34
-    xs = [x for s, _ in series.values() for x in s] + (list(band[0]) if band else [])
-    finite = [v for _, vs in series.values() for v in vs if math.isfinite(v)]
-    finite += list((hlines or {}).values())
-    if band:
-        finite += [v for v in (*band[1], *band[2]) if math.isfinite(v)]
-    if not xs or not finite:
-        return f'<p class="note">{html.escape(title)}: nothing logged yet.</p>'
-    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
-    core = [v for _, vs in series.values() for v in vs if math.isfinite(v)] or finite
-    y0, y1 = min(finite), max(finite)
-    if y1 - y0 > 4 * (max(core) - min(core) + 1e-9):  # a huge step-0 loss or band must not flatten the curves
-        y0, y1 = min(y0, min(core)), max(core) + 0.5 * (max(core) - min(core) + 1e-9)
-    span = max(y1 - y0, 0.02 * abs(y1) + 1e-3)  # one point, or a flat curve: still a readable range around it
-    y0, y1 = (y0 + y1 - span) / 2 - 0.05 * span, (y0 + y1 + span) / 2 + 0.05 * span
-
-    def px(x: float) -> float:
-        return pad_l + (x - x0) / (x1 - x0) * (width - pad_l - pad_r)
-
-    def py(y: float) -> float:
-        y = min(max(y, y0), y1)
-        return height - pad_b - (y - y0) / (y1 - y0) * (height - pad_t - pad_b)
-
-    out = [f'<svg class="plot" viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}" '
-           f'xmlns="http://www.w3.org/2000/svg"><title>{html.escape(title)}</title>',
-           f'<text x="{pad_l}" y="16" class="t">{html.escape(title)}</text>',
-           f'<rect x="{pad_l}" y="{pad_t}" width="{width - pad_l - pad_r}" height="{height - pad_t - pad_b}" '
-           'fill="none" stroke="#bbb"/>']
-    for v in _ticks(y0, y1):
-        out.append(f'<line x1="{pad_l}" x2="{width - pad_r}" y1="{py(v):.1f}" y2="{py(v):.1f}" stroke="#eee"/>'
-                   f'<text x="{pad_l - 4}" y="{py(v) + 4:.1f}" text-anchor="end">{v:.4g}</text>')
-    for v in _ticks(x0, x1):
-        out.append(f'<text x="{px(v):.1f}" y="{height - pad_b + 16}" text-anchor="middle">{v:.4g}</text>')
-    out.append(f'<text x="{width - pad_r}" y="{height - 4}" text-anchor="end">step</text>')
-    if band:
-        upper = [f"{px(x):.1f},{py(h):.1f}" for x, h in zip(band[0], band[2])]
-        lower = [f"{px(x):.1f},{py(lo):.1f}" for x, lo in zip(band[0], band[1])]
-        out.append(f'<polygon points="{" ".join(upper + lower[::-1])}" fill="#1f5fa8" fill-opacity="0.15">'
-                   '<title>predicted 95% band</title></polygon>')
-    off = {k: v for k, v in (hlines or {}).items() if not y0 <= v <= y1}  # named in the legend, not drawn
-    hlines = {k: v for k, v in (hlines or {}).items() if k not in off}
-    for label, value in hlines.items():
-        out.append(f'<line x1="{pad_l}" x2="{width - pad_r}" y1="{py(value):.1f}" y2="{py(value):.1f}" '
-                   f'stroke="#b00" stroke-dasharray="5 4"><title>{html.escape(label)}: {value:.4g}</title></line>')
-    legend = []
-    for i, (label, (steps, values)) in enumerate(series.items()):
-        colour = _COLOURS[i % len(_COLOURS)]
-        points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(steps, values) if math.isfinite(y))
-        out.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="1.8">'
-                   f'<title>{html.escape(label)}</title></polyline>')
-        if len(steps) <= 40:  # a few evals (or one) are dots too: a one-point line draws nothing
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{colour}"/>'
-                    for x, y in zip(steps, values) if math.isfinite(y)]
-        legend.append(f'<span style="color:{colour}">&#9632;</span> {html.escape(label)}')
-    if band:
-        legend.append('<span style="color:#1f5fa8;opacity:.35">&#9632;</span> predicted 95% band')
-    legend += [f'<span style="color:#b00">- -</span> {html.escape(label)}' for label in hlines]
-    legend += [f"{html.escape(label)} {v:.4g} ({'above' if v > y1 else 'below'} the plot)" for label, v in off.items()]
-    out.append("</svg>")
-    return "".join(out) + f'<p class="legend">{" &nbsp; ".join(legend)}</p>'  # HTML: it wraps at phone width
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,6 +71,11 @@ nav a{margin-right:1rem}
 table.cards tr{border:1px solid #ccc;margin:.5rem 0}table.cards td{border:0}
 table.cards td::before{content:attr(data-label) ": ";font-weight:bold}}
 footer{margin:2rem 0 1rem;font-size:.85rem;color:#555}"""
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 experiment', '2 experiments': what a reader sees instead of '1 experiment(s)'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _e(value: Any) -> str:

@@ -475,7 +475,9 @@ def _parts(document: dict, sid: str) -> list[dict]:
 
 
 def _figures(bundle: Bundle, document: dict) -> tuple[dict[str, bytes], list[str]]:
-    """The PNG of each figure report.json names (by name), and a finding per figure missing or not as named."""
+    """The SVG bytes of each figure report.json names that hash as it says (by name), and a finding per figure
+    missing or not as named. report.html holds each figure's text inline, so it is rendered again only when every
+    figure is as named (`_check_rendering`); a figure that is not already has its finding."""
     figures, problems = {}, []
     for part in (p for s in document["sections"] for p in s["parts"] if p["kind"] == "img"):
         name = f"{REPORT_DIR}/{figure_name(part['name'])}"
@@ -486,6 +488,7 @@ def _figures(bundle: Bundle, document: dict) -> tuple[dict[str, bytes], list[str
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() != part["sha256"]:
             problems.append(f"{name} is not the figure {REPORT_JSON} names (its SHA-256 differs)")
+            continue
         figures[part["name"]] = data
     return figures, problems
 
