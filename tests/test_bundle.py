@@ -692,18 +692,22 @@ def test_rewording_a_sentence_of_the_report_template_does_not_break_verify(lab, 
     assert code == 0, err
 
 
-def test_a_bundle_of_format_version_1_is_refused_naming_its_format(lab, tmp_path):
-    """A bundle written before report.json (format version 1): its report could be checked only by its wording."""
+@pytest.mark.parametrize("version, why", [(1, "before its report was stated as"),
+                                          (2, "while the report's figures were PNG files")])
+def test_a_bundle_of_an_older_format_version_is_refused_naming_its_format(lab, tmp_path, version, why):
+    """Version 1 came before report.json (its report could be checked only by its wording); version 2 held PNG figures."""
     _, _, bundle, mp = lab
     copy = fresh_copy(bundle, tmp_path / "copy")
     info = json.loads((copy / "bundle.json").read_text())
-    (copy / "bundle.json").write_text(json.dumps({**info, "version": 1}))
-    (copy / "report/report.json").unlink()
+    (copy / "bundle.json").write_text(json.dumps({**info, "version": version}))
+    if version == 1:
+        (copy / "report/report.json").unlink()
     reseal(copy)
     code, out, err = cli(mp, ["lab", "verify", str(copy)], tmp_path)
     err = " ".join(err.split())
     assert code == 1 and out == ""
-    assert "says format 'moelab-bundle' version 1" in err and f"moelab lab export {EXP} --out NEW" in err, err
+    assert f"says format 'moelab-bundle' version {version}: a bundle written {why}" in err, err
+    assert f"moelab lab export {EXP} --out NEW" in err, err
 
 
 LADDER_SPEC = {

@@ -21,8 +21,9 @@ folder as a `.tar.gz`):
                            written at export (`lab.report`)
     MANIFEST.sha256        the SHA-256 of every other file, `sha256sum -c` format
 
-Format version 2 added report/report.json, from which `lab verify` re-renders the report; a version 1
-bundle (written before it) is refused by `lab.verify.load_bundle`, naming the format: export it again.
+Format version 2 added report/report.json, from which `lab verify` re-renders the report; version 3 holds
+the report's figures as SVG (version 2's were PNG). Older bundles are refused by `lab.verify.load_bundle`,
+naming the format: export them again.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from moelab.train.outputs import DATA
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "INFO", "RECORDS", "CHAIN", "TAR_SUFFIX", "REPORT_DIR", "Exported",
            "finished_steps", "spec_files", "spec_text", "export_bundle", "open_bundle"]
 
-FORMAT, FORMAT_VERSION = "moelab-bundle", 2
+FORMAT, FORMAT_VERSION = "moelab-bundle", 3
 MANIFEST, INFO = "MANIFEST.sha256", "bundle.json"
 RECORDS, CHAIN = "ledger/records.jsonl", "ledger/chain.jsonl"
 TAR_SUFFIX = ".tar.gz"

@@ -71,6 +71,10 @@ _RECORD_FIELDS = {"seq": int, "kind": str, "key": str, "created_at": str, "body"
 _LINK_FIELDS = {"seq": int, "kind": str, "key": str, "prev_hash": str, "hash": str}
 _INFO_FIELDS = {"format": str, "version": int, "experiment": str, "ledger": dict, "steps": dict}
 _STEP_FIELDS = {"dir": str, "version": str, "record": dict}
+# Bundle format versions this moelab refuses by name, and why each cannot be checked as it is.
+_OLDER = {1: f"before its report was stated as {REPORT_JSON} (moelab issue 41), so only the report's wording could "
+             "check it",
+          2: "while the report's figures were PNG files (moelab issue 41 made them SVG, drawn as the site's are)"}
 
 
 def _typed(value: Any, kind: type) -> bool:
@@ -161,11 +165,11 @@ def load_bundle(folder: str | Path) -> Bundle:
     if problems:
         raise ConfigError(f"{folder} is not a readable moelab bundle: {problems[0]}.")
     rows = _read_records(folder / RECORDS)
-    if info.get("format") == FORMAT and info.get("version") == 1:
-        raise ConfigError(f"{folder / INFO} says format {FORMAT!r} version 1: a bundle written before its report was "
-                          f"stated as {REPORT_JSON} (moelab issue 41), so only the report's wording could check it. This "
-                          f"moelab reads {FORMAT!r} version {FORMAT_VERSION}; export the experiment again from its ledger "
-                          f"(`moelab lab export {info['experiment']} --out NEW`) and verify that.")
+    if info.get("format") == FORMAT and info.get("version") in _OLDER:
+        raise ConfigError(f"{folder / INFO} says format {FORMAT!r} version {info['version']}: a bundle written "
+                          f"{_OLDER[info['version']]}. This moelab reads {FORMAT!r} version {FORMAT_VERSION}; export the "
+                          f"experiment again from its ledger (`moelab lab export {info['experiment']} --out NEW`) and "
+                          "verify that.")
     if info.get("format") != FORMAT or info.get("version") != FORMAT_VERSION:
         raise ConfigError(f"{folder / INFO} says format {info.get('format')!r} version {info.get('version')!r}; "
                           f"this moelab reads {FORMAT!r} version {FORMAT_VERSION}.")
