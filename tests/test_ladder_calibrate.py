@@ -10,7 +10,7 @@ from helpers import load_benchmark
 from test_ladder_fit import TRUE, _curve_rows, _synthetic_run, _write_csv
 
 from moelab.ladder.bands import bootstrap_curve_law, predict_with_bands, score
-from moelab.ladder.calibrate import Misfit, held_out_splits, measure_misfit, widen
+from moelab.ladder.calibrate import Misfit, held_out_splits, measure_misfit, seed_means, widen
 from moelab.ladder.fit import fit_curve_law
 from moelab.ladder.predict import fit_curves
 
@@ -120,3 +120,19 @@ def test_the_benchmark_scores_a_case_with_the_interval_score_of_gneiting_and_raf
     y, lo, hi = np.array([2.0, 2.0, 2.0]), np.array([1.9, 2.1, 1.0]), np.array([2.1, 2.2, 1.5])
     # inside: the width; above the band: width + 40 x the distance; all relative to y
     assert bench.interval_score(lo, hi, y) == pytest.approx([0.1, (0.1 + 40 * 0.1) / 2, (0.5 + 40 * 0.5) / 2])
+
+
+def test_seeds_of_one_held_out_configuration_are_scored_as_their_mean_so_their_offsets_count_once():
+    """Five seeds of the largest size, offset by +-2% of the loss in turn: scored one by one their offsets set
+    q95; as their mean (what the band's run_sd does not already hold) the misfit is the law's alone."""
+    rng = np.random.default_rng(3)
+    runs = [_synthetic_run(f"r{i}-{k}", n, 400, k, rng, 20) for i, n in enumerate((1e6, 3e6)) for k in ("wsd", "cosine")]
+    largest = _synthetic_run("big", 1e7, 400, "wsd", rng, 20)
+    seeds = [replace(largest, name=f"big-seed{s}", loss=largest.loss * (1 + off))
+             for s, off in enumerate((-0.02, -0.01, 0.0, 0.01, 0.02))]
+    other = _synthetic_run("big-cos", 1e7, 400, "cosine", rng, 20)
+    (mean, cos) = seed_means([*seeds, other])
+    assert mean.name == "big-seed0 (mean of 5 seeds)" and np.allclose(mean.loss, largest.loss) and cos is other
+    misfit = measure_misfit([*runs, *seeds])
+    assert misfit.held_out == ("big-seed0 (mean of 5 seeds)",)
+    assert misfit.quantile(0.95) < 0.005  # the law is exact here: one by one, q95 would be about 2%

@@ -193,7 +193,8 @@ def _print_fit(summary: dict) -> None:
                           f"per sd), weighted as one run; the fitted alpha sits {prior['z']:+.2f} sd from it.")
     misfit = summary.get("misfit")
     if misfit:
-        out_console.print(f"Band calibrated ({misfit['scheme']}, {len(misfit['held_out'])} held-out runs): the law missed "
+        out_console.print(f"Band calibrated ({misfit['scheme']}, {len(misfit['held_out'])} held-out runs, seeds "
+                          f"averaged): the law missed "
                           f"runs it did not see by up to {misfit['q95']:.2%} (95%), added to every band in quadrature.")
     for t in summary["targets"]:
         out_console.print(f"Target {escape(t['run'])}: final loss {t['loss_pred']:.4f}, 95% band "

@@ -15,6 +15,12 @@ predicts the rest, the way the target is predicted from all of them (`held_out_s
 - otherwise (two sizes, one horizon): every run is cut at half its tokens, and its second half
   predicted from the first halves of all runs.
 
+Seeds of one held-out configuration (size, steps, tokens and LR alike) are averaged before they are
+scored (`seed_means`): the target's band already holds a new run's own offset (the bootstrap's run_sd),
+and a single seed's miss holds that offset on top of the law's, so scoring seeds one by one would count
+it twice. On ladder-cpu's five d80 seeds (final misses -1.0% to -3.6%, mean -2.0%) that took the target's
+band from +-5.1% to +-4.0%; on Pythia's seeds from +-3.2% to +-3.0% (docs/scaling-ladder.md).
+
 Each held-out row's relative error (y - y_hat) / y_hat is one score; the band's relative half-width
 at coverage p gains the misfit q_p, the weighted p-quantile of |score| (each held-out run weighs the
 same: its rows are one seed, one data order and one fit error), added in quadrature:
@@ -42,7 +48,7 @@ from moelab.ladder.bands import shared_noise
 from moelab.ladder.curve import CurveLaw, Run, curve_loss
 from moelab.ladder.fit import fit_curve_law
 
-__all__ = ["MAX_SPLITS", "HORIZON_GAP", "Misfit", "held_out_splits", "measure_misfit", "widen"]
+__all__ = ["MAX_SPLITS", "HORIZON_GAP", "Misfit", "held_out_splits", "seed_means", "measure_misfit", "widen"]
 
 MAX_SPLITS = 3  # leave-size-out refits: the largest sizes, each from all smaller ones; more cost more fits
 HORIZON_GAP = 0.75  # leave-horizon-out fits on runs ending at most this share of the longest horizon's tokens
@@ -105,6 +111,16 @@ def held_out_splits(runs: Sequence[Run]) -> tuple[str, list[tuple[list[Run], lis
     return "second-half", [([_cut(r, 0.5) for r in runs], [r for r in runs if r.params == sizes[-1]])]
 
 
+def seed_means(runs: Sequence[Run]) -> list[Run]:
+    """`runs` with the seeds of one configuration (size, steps, tokens and LR alike) averaged into one run."""
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.params, run.steps.tobytes(), run.tokens.tobytes(), run.lr.tobytes()), []).append(run)
+    return [seeds[0] if len(seeds) == 1 else
+            replace(seeds[0], name=f"{seeds[0].name} (mean of {len(seeds)} seeds)",
+                    loss=np.mean([r.loss for r in seeds], axis=0)) for seeds in groups.values()]
+
+
 def _weighted_quantile(values: np.ndarray, weights: np.ndarray, p: float) -> float:
     order = np.argsort(values)
     cumulative = np.cumsum(weights[order]) / weights.sum()
@@ -126,7 +142,7 @@ def measure_misfit(runs: Sequence[Run], fit: Callable[[Sequence[Run]], CurveLaw]
         except DataError:  # too few rows or runs left to fit: this split says nothing
             continue
         shared = shared_noise(fitted, law) if same_data_order else None
-        for run in held:
+        for run in seed_means(held):
             predicted = curve_loss(law, run) + (shared.at(run.steps) if shared is not None else 0.0)
             scored = (run.tokens >= _SCORED_FROM * run.tokens[-1]) & np.isfinite(predicted)
             if scheme == "second-half":
