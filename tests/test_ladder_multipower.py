@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_ladder_fit import _schedule
 
-from moelab.ladder.curve import CurveLaw, Run, curve_loss, multipower_drop
+from moelab.ladder.curve import CurveLaw, Run, _drop_terms, curve_loss, multipower_drop
 from moelab.ladder.fit import fit_curve_law
 
 # one size, a drop term that settles over a LR area of ~200 steps at peak LR, Luo et al.'s exponents
@@ -33,6 +33,23 @@ def test_the_binned_drop_sum_matches_the_per_step_sum_of_luo_et_al(kind):
         exact.append(np.sum(delta[: t + 1] * (1 - (1 + x / TRUE.tau) ** -TRUE.power)))
     # 4 bins per doubling of the distance back: well under the 1e-3 of a drop that is 0.4 of the loss at most
     assert multipower_drop(run, TRUE.tau, TRUE.power, TRUE.gamma) == pytest.approx(exact, abs=5e-4)
+
+
+def test_the_drop_gradient_the_fit_searches_with_is_the_drop_sums_derivative():
+    """The fit's analytic gradient (`fit._fit_rows`) rests on these derivatives: central differences agree."""
+    run = _run("r", "cosine", num_steps=2000, every=100)
+    terms = _drop_terms(run, run.steps.astype(np.int64))
+    q = np.array([np.log(TRUE.tau), np.log(TRUE.power), TRUE.gamma])
+
+    def drop(q):
+        return terms.drop(np.exp(q[0]), np.exp(q[1]), q[2])
+
+    both = terms.drop_and_gradient(np.exp(q[0]), np.exp(q[1]), q[2])
+    assert both[0] == pytest.approx(drop(q), rel=1e-12)
+    for i in range(3):
+        step = np.eye(3)[i] * 1e-6
+        assert both[1 + i] == pytest.approx((drop(q + step) - drop(q - step)) / 2e-6, rel=1e-5, abs=1e-9)
+    assert (np.abs(both[1:]).max(axis=1) > 1e-3).all()  # each parameter moves the drop here: the check means something
 
 
 def test_the_multipower_fit_recovers_its_parameters_and_predicts_a_schedule_it_did_not_see():

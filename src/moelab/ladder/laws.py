@@ -61,9 +61,13 @@ def _array(name: str, values, size: int | None = None, positive: bool = False) -
     return out
 
 
-def _search(objective: Callable[[np.ndarray], float], start: np.ndarray, bounds) -> np.ndarray:
-    """L-BFGS-B from `start`, kept only if it improves on it (a failed line search can end worse)."""
-    result = optimize.minimize(objective, start, method="L-BFGS-B", bounds=bounds, options=_LBFGS_OPTIONS)
+def _search(objective: Callable[[np.ndarray], float], start: np.ndarray, bounds,
+            gradient: Callable[[np.ndarray], tuple[float, np.ndarray]] | None = None) -> np.ndarray:
+    """L-BFGS-B from `start`, kept only if it improves on it (a failed line search can end worse).
+
+    `gradient`, when given, returns (objective, its gradient) in one call; otherwise finite differences."""
+    fun, jac = (gradient, True) if gradient is not None else (objective, None)
+    result = optimize.minimize(fun, start, method="L-BFGS-B", jac=jac, bounds=bounds, options=_LBFGS_OPTIONS)
     return result.x if result.fun <= objective(start) else np.asarray(start, dtype=np.float64)
 
 
