@@ -161,7 +161,7 @@ def svg_curves(series: dict[str, tuple[list[float], list[float]]], title: str,
         out += _line(f, steps, values, colour, label, dots=len(steps) <= 40)  # a few evals (or one): dots too
         legend.append(f'<span style="color:{colour}">&#9632;</span> {html.escape(label)}')
     if band:
-        legend.append('<span style="color:#1f5fa8;opacity:.35">&#9632;</span> predicted 95% band')
+        legend.append(f'<span style="color:{_COLOURS[0]};opacity:.35">&#9632;</span> predicted 95% band')
     legend += [f'<span style="color:#b00">- -</span> {html.escape(label)}' for label in hlines]
     legend += [f"{html.escape(label)} {v:.4g} ({'above' if v > y1 else 'below'} the plot)" for label, v in off.items()]
     out.append("</svg>")

@@ -162,6 +162,9 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
         coefs, rnorm = optimize.nnls((design(p) if x is None else x) * weight[:, None], rows.loss * weight)
         return (np.insert(coefs, 1, 0.0) if one_size else coefs), float(rnorm**2)
 
+    def fitted(x: np.ndarray, coefs: np.ndarray) -> np.ndarray:
+        return x @ (np.delete(coefs, 1) if one_size else coefs)  # `project` put A = 0 into a one-size fit's coefs
+
     def sse(p):
         return project(p)[1] + rows.prior_weight * alpha_prior_z(p[0]) ** 2
 
@@ -174,7 +177,7 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
         anneal = rows.drops.drop_and_gradient(math.exp(q[0]), math.exp(q[1]), q[2])
         x = design(p, anneal[0])
         coefs, value = project(p, x)
-        residual = 2.0 * weight**2 * (x @ (np.delete(coefs, 1) if one_size else coefs) - rows.loss)
+        residual = 2.0 * weight**2 * (fitted(x, coefs) - rows.loss)
         _, a, b, c = coefs
         grad = np.concatenate([[residual @ (-a * x_n * np.exp(-alpha * x_n)),
                                 residual @ (-b * x_s * np.exp(-beta * x_s))], -c * (anneal[1:] @ residual)])
@@ -194,14 +197,15 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
         bounds[0] = (start[0], start[0])
     p = _search(sse, np.clip(start, *np.array(bounds).T), bounds,
                 sse_and_gradient if rows.form == "multipower" else None)
-    coefs, _ = project(p)
+    x = design(p)
+    coefs, _ = project(p, x)
     e, a, b, c = coefs
-    fitted = design(p) @ (np.delete(coefs, 1) if one_size else coefs)
+    rmse = float(np.sqrt(np.mean((rows.loss - fitted(x, coefs)) ** 2)))
     alpha, beta, log_tau, *q = p
     mpl = {"form": "multipower", "power": math.exp(q[0]), "gamma": float(q[1])} if q else {}
     return CurveLaw(float(e), float(a * math.exp(alpha * ref_n)), 0.0 if one_size else float(alpha),
                     float(b * math.exp(beta * ref_s)), float(beta), float(c), math.exp(log_tau),
-                    float(np.sqrt(np.mean((rows.loss - fitted) ** 2))), rows.size, rows.noise_exponent,
+                    rmse, rows.size, rows.noise_exponent,
                     rows.noise_ref, rows.prior_weight, **mpl)
 
 
