@@ -6,8 +6,8 @@
 For LatentMoE on and off and for 1 and 3 waves, `make_train_step` is compiled (not run) on the mesh.
 In the per-device (SPMD-partitioned) HLO we add up the result bytes of every all-to-all; an op inside
 a while loop (the layer scan and its backward) counts once per iteration, by the loop's
-`known_trip_count`. That is the buffer each device hands the collective, including the 1/X that stays
-on the device. Each figure comes with the analytic count for comparison: per layer and wave,
+`known_trip_count`. That is what each device sends: the buffer it hands the collective less the 1/X
+that stays on the device. Each figure comes with the analytic count for comparison: per layer and wave,
 four [X, P, Din] row exchanges (dispatch and return, and their transposes in the backward pass) and
 one [X, P] int32 exchange of expert ids (forward only: ids carry no gradient).
 
@@ -69,19 +69,20 @@ def _variant(cfg: RunConfig, mesh: MeshConfig, latent: bool, num_waves: int) -> 
 
 
 def expected_bytes(cfg: RunConfig) -> int:
-    """The analytic count: L layers x W waves x (4 row exchanges of [X, P, Din] + 1 id exchange of [X, P])."""
+    """The analytic count: L layers x W waves x (4 row exchanges of [X, P, Din] + 1 id exchange of [X, P]),
+    less the 1/X of each that stays on the device."""
     m, moe = cfg.model, cfg.model.moe
     X = cfg.mesh.expert
     tokens_per_device = cfg.train.batch_size * m.seq_len // cfg.mesh.num_devices
     transport = moe.transport_capacity_factor or moe.capacity_factor
     P = ep.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves, transport)
     row_bytes = 2 if cfg.train.compute_dtype == "bfloat16" else 4
-    return m.num_layers * moe.num_waves * (4 * X * P * m.expert_input_dim * row_bytes + X * P * 4)
+    return m.num_layers * moe.num_waves * (4 * P * m.expert_input_dim * row_bytes + P * 4) * (X - 1)
 
 
 def compiled_all_to_all_bytes(cfg: RunConfig) -> int:
     """Compiles one train step on cfg.mesh (abstract inputs; nothing runs) and counts its all-to-all bytes."""
-    return memory_plan.collective_bytes(memory_plan.compile_step(cfg).as_text())["all-to-all"]
+    return memory_plan.collective_bytes(memory_plan.compile_step(cfg).as_text(), cfg.mesh.num_devices)["all-to-all"]
 
 
 def measure(cfg: RunConfig, mesh: MeshConfig, waves: tuple[int, ...] = (1, 3)) -> dict:

@@ -95,21 +95,24 @@ def test_bad_planner_input_exits_2_naming_the_field(args, field, monkeypatch, ca
     assert field in err
 
 
-def test_collectives_in_a_loop_count_once_per_iteration():
+def test_collectives_in_a_loop_count_once_per_iteration_by_what_each_device_sends():
     hlo = """HloModule m
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %x = f32[8]{0} parameter(0)
-  %ag = f32[32]{0} all-gather(%x), dimensions={0}
-  ROOT %a2a = f32[8]{0} all-to-all(%x), dimensions={0}
+  %ag = f32[32]{0} all-gather(%x), replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %a2a = f32[8]{0} all-to-all(%x), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
 }
 
 ENTRY %main (a: f32[8]) -> f32[8] {
   %a = f32[8]{0} parameter(0)
   %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
-  ROOT %rs = f32[2]{0} reduce-scatter(%a), dimensions={0}
+  %rs = f32[2]{0} reduce-scatter(%a), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}
+  ROOT %ar = f32[8]{0} all-reduce(%a), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}
 }
 """
-    counted = memory_plan.collective_bytes(hlo)
-    assert counted["all-gather"] == 5 * 32 * 4 and counted["all-to-all"] == 5 * 8 * 4
-    assert counted["reduce-scatter"] == 2 * 4 and counted["all-reduce"] == 0
+    counted = memory_plan.collective_bytes(hlo, num_devices=8)
+    # What one device sends: 3/4 of a gathered result over groups of 4, 1/2 of an exchange over pairs, and
+    # (n - 1) results of a reduce-scatter over 4; an all-reduce over groups of one moves nothing.
+    assert counted["all-gather"] == 5 * 32 * 4 * 3 // 4 and counted["all-to-all"] == 5 * 8 * 4 // 2
+    assert counted["reduce-scatter"] == 2 * 4 * 3 and counted["all-reduce"] == 0

@@ -26,6 +26,7 @@ reduce-scatters inside a rack, and the all-reduce across racks; times at the sta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -44,7 +45,8 @@ import numpy as np
 
 from moelab.config import RunConfig, from_dict, to_dict
 from moelab.errors import ConfigError
-from moelab.model import transformer
+from moelab.model import grouped_matmul, transformer
+from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.state import init_state, make_optimizer
 
@@ -52,6 +54,12 @@ __all__ = ["Links", "Plan", "plan", "parse_bytes", "state_bytes", "activation_by
            "compile_step", "compiled_figures", "compile_in_subprocess"]
 
 GB = 1e9
+# XLA's GPU compiler budgets a program's temporaries at (the memory JAX gives it - the arguments and outputs)
+# x xla_gpu_memory_limit_slop_factor / 100 (default 95), and past that runs its rematerialization pass after
+# scheduling: recomputation nobody asked for. JAX gives it XLA_PYTHON_CLIENT_MEM_FRACTION of the device (0.75
+# as the issue of 12-06 measured it; `mem_fraction` takes another).
+XLA_GPU_SLOP = 0.95
+XLA_MEM_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
@@ -80,10 +88,30 @@ class Plan:
     comm: dict[str, int]  # bytes one device sends per step, by collective
     comm_seconds: dict[str, float]
     links: Links = field(default_factory=Links)
+    phase: str = ""  # the phase of the step that peaks; `terms` are its terms
+    phases: dict[str, int] = field(default_factory=dict)  # each phase's per-device total
 
     @property
     def fits(self) -> bool | None:
         return None if self.hbm is None else self.total <= self.hbm
+
+    @property
+    def state(self) -> int:
+        """What the step takes and gives back (donated, so counted once): XLA's arguments and outputs."""
+        return self.terms["params"] + self.terms["moments"] + self.terms["other_state"]
+
+    def compiler_limit(self, mem_fraction: float = XLA_MEM_FRACTION) -> int | None:
+        """The temporaries XLA's GPU compiler allows this step before it recomputes on its own; None off a GPU
+        or without --hbm."""
+        if self.hbm is None or self.platform != "gpu":
+            return None
+        return int((mem_fraction * self.hbm - self.state) * XLA_GPU_SLOP)
+
+    @property
+    def compiler_recomputes(self) -> bool:
+        """The step's temporaries exceed `compiler_limit`: XLA will rematerialize to fit, costing step time."""
+        limit = self.compiler_limit()
+        return limit is not None and self.total - self.state > limit
 
     @property
     def largest(self) -> str:
@@ -112,7 +140,8 @@ class Plan:
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "mesh": self.mesh, "microbatches": self.microbatches,
                 "rows_per_microbatch": self.rows_per_microbatch, "platform": self.platform, "terms": self.terms,
-                "total": self.total, "hbm": self.hbm, "fits": self.fits, "largest": self.largest,
+                "total": self.total, "phase": self.phase, "phases": self.phases, "hbm": self.hbm, "fits": self.fits,
+                "compiler_limit": self.compiler_limit(), "compiler_recomputes": self.compiler_recomputes, "largest": self.largest,
                 "advice": self.advice, "comm_bytes": self.comm, "comm_seconds": self.comm_seconds,
                 "links": {"nvlink": self.links.nvlink, "network": self.links.network}}
 
@@ -158,62 +187,139 @@ def state_bytes(cfg: RunConfig) -> dict[str, int]:
             "largest_param": max(jax.tree.leaves(per_device.params))}
 
 
-def _residual_bytes(fn, params: Any, *args, experts_split: int = 1,
-                    drop_scores_of: int | None = None) -> tuple[int, int]:
-    """Bytes JAX saves between `fn(params, *args)`'s forward and backward passes (its residuals): the total
-    and the largest one.
+@jax.custom_vjp
+def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """A stand-in for cuDNN's fused attention with its residuals, traced only (never run): the output, [B, S, N, H].
+
+    `jax.nn.dot_product_attention(implementation="cudnn")` keeps q, k, v, its output and the softmax
+    statistics ([B, N, S] float32) for the backward pass, and no [S, S] scores. It cannot be traced off a
+    GPU, so the planner traces this instead, and XLA's attention (whose scores it would count) nowhere.
+    """
+    return q * 1
+
+
+def _fused_attention_forward(q, k, v):
+    B, S, N, _ = q.shape
+    out = q * 1
+    return out, (q, k, v, out, jnp.zeros((B, N, S), jnp.float32))
+
+
+def _fused_attention_backward(saved, g):
+    q, k, v, _, _ = saved
+    return g, jnp.zeros_like(k), jnp.zeros_like(v)
+
+
+_fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward)
+
+
+@contextlib.contextmanager
+def _traced_as_on(platform: str):
+    """Trace the model as `platform` compiles it, whatever JAX's backend here: on "gpu", attention fused
+    (`_fused_attention`) and the `grouped` backend's row tile the GPU's; on "cpu", as is."""
+    if platform == "cpu":
+        yield
+        return
+    xla_attention, tiles = transformer.causal_attention, grouped_matmul.default_tiles
+    transformer.causal_attention = _fused_attention
+    grouped_matmul.default_tiles = lambda k_dim, n_dim, on_gpu: tiles(k_dim, n_dim, True)
+    try:
+        yield
+    finally:
+        transformer.causal_attention, grouped_matmul.default_tiles = xla_attention, tiles
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """What JAX saves between a function's forward and backward passes (its residuals), in bytes.
+
+    in_loop: residuals of the layer scan (each layer's, stacked); largest_per_layer: the largest of one
+    layer; logits_sized: those shaped like the logits (the loss's softmax), freed once the head's backward
+    has run; other: the rest (the head's small residuals, the scan's hoisted loop invariants).
+    """
+
+    in_loop: int
+    largest_per_layer: int
+    logits_sized: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return self.in_loop + self.logits_sized + self.other
+
+
+def _residuals(fn, params: Any, *args, num_layers: int, vocab_size: int, experts_split: int = 1) -> Residuals:
+    """The residuals of `fn(params, *args)` (`saved_residuals`: what the compiled step keeps alive).
 
     Arguments are not counted (they are the state). A residual shaped like a routed expert's weight (a
     compute-dtype copy of it) is divided by `experts_split`, the devices the experts are split over.
-    `drop_scores_of=S` leaves out [..., S, S] attention scores: a fused attention kernel keeps none.
     """
     from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint.print_saved_residuals prints
 
     expert_shapes = {tuple(leaf.shape[-3:]) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
                      if mesh_lib.param_spec(path, leaf) != mesh_lib.P()}
-
-    def counted(aval, why: str) -> float:
+    in_loop = largest = logits_sized = other = 0
+    for aval, why in saved_residuals(fn, params, *args):
         if why.startswith("from the argument"):
-            return 0
-        if drop_scores_of is not None and aval.ndim >= 2 and aval.shape[-2:] == (drop_scores_of,) * 2:
-            return 0
+            continue
         expert_copy = aval.ndim >= 3 and tuple(aval.shape[-3:]) in expert_shapes
-        return _nbytes(aval) / (experts_split if expert_copy else 1)
+        size = _nbytes(aval) // (experts_split if expert_copy else 1)
+        if why.startswith("output of scan"):
+            in_loop += size
+            largest = max(largest, size // num_layers)
+        elif aval.ndim >= 2 and aval.shape[-1] == vocab_size:
+            logits_sized += size
+        else:
+            other += size
+    return Residuals(in_loop, largest, logits_sized, other)
 
-    sizes = [counted(aval, why) for aval, why in saved_residuals(fn, params, *args)]
-    return int(sum(sizes)), int(max(sizes, default=0))
+
+@dataclass(frozen=True)
+class Activations:
+    """One device's activation bytes for one microbatch, by when they are live (see `activation_bytes`)."""
+
+    saved: int  # every residual of the loss: live from the end of the forward pass
+    logits_sized: int  # of which the logits-sized ones, freed after the head's backward
+    logits_grad: int  # the head's backward: the logits' float32 cotangent
+    block_work: int  # one block's backward: what its remat policy recomputes, and two cotangents of its largest tensor
 
 
-def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> int:
+def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activations:
     """Activation bytes of one device running `rows` sequences, traced on one device (`ep` counted as `capacity`).
 
-    The saved residuals of the loss, plus the backward's working set: under remat, the one block it
-    recomputes at a time; without, the cotangents of the largest tensor a block keeps (its gradient and
-    its input's, two of its size).
+    The saved residuals of the loss as JAX lists them, with attention as `platform` runs it (fused on a
+    GPU: q, k, v, output and softmax statistics; XLA's scores on CPU). The backward pass starts at the
+    head: every residual is live, and so is the cotangent of the logits (float32: the transpose of the
+    loss's gather is a scatter XLA materializes; its cast to the compute dtype fuses into the head's
+    matmuls, which read it). Then each block's backward runs, in the loop: the logits-sized residuals are gone, and one
+    block recomputes what its remat policy did not save (its residuals under no remat, less those under
+    its policy) and holds two cotangents of its largest residual (its gradient and its input's).
     """
     model = cfg.model
-    if model.moe.dispatch in ("ep", "dense", "grouped"):
+    if model.moe.dispatch == "ep":
         model = replace(model, moe=replace(model.moe, dispatch="capacity"))
     dtype = jnp.dtype(cfg.train.compute_dtype)
-    drop = model.seq_len if platform == "gpu" else None
 
-    def residuals(m, token_cols: int, fn) -> tuple[int, int]:
+    def residuals(m, token_cols: int, fn) -> Residuals:
         params = jax.eval_shape(lambda: transformer.init(m, jax.random.key(0)))
         bias = jax.ShapeDtypeStruct((m.num_layers, m.moe.num_experts), jnp.float32)
         tokens = jax.ShapeDtypeStruct((rows, token_cols), jnp.int32)
-        return _residual_bytes(lambda p, t, b: fn(p, t, m, b), params, tokens, bias, experts_split=cfg.mesh.expert,
-                               drop_scores_of=drop)
+        with _traced_as_on(platform):
+            return _residuals(lambda p, t, b: fn(p, t, m, b), params, tokens, bias, num_layers=m.num_layers,
+                              vocab_size=m.vocab_size, experts_split=cfg.mesh.expert)
 
-    def block(m, t, b, p):
+    def block(p, t, m, b):
         return transformer.apply(p, t, m, b, dtype)[0].sum()
 
-    saved, _ = residuals(model, model.seq_len + 1, lambda p, t, m, b: transformer.loss(p, t, m, b, dtype)[0])
+    saved = residuals(model, model.seq_len + 1, lambda p, t, m, b: transformer.loss(p, t, m, b, dtype)[0])
     one = replace(model, num_layers=1, remat="none")
-    whole, largest = residuals(one, model.seq_len, lambda p, t, m, b: block(m, t, b, p))
-    if model.remat == "none":
-        return saved + 2 * largest
-    bare, _ = residuals(replace(one, remat="full"), model.seq_len, lambda p, t, m, b: block(m, t, b, p))
-    return saved + whole - bare  # one block's residuals beyond its saved input
+    recomputed = 0
+    if model.remat != "none":
+        recomputed = (residuals(one, model.seq_len, block).in_loop
+                      - residuals(replace(one, remat=model.remat), model.seq_len, block).in_loop)
+    logits = rows * model.seq_len * model.vocab_size
+    return Activations(saved=saved.total, logits_sized=saved.logits_sized,
+                       logits_grad=logits * 4,
+                       block_work=recomputed + 2 * saved.largest_per_layer)
 
 
 def _layer_split(cfg: RunConfig) -> tuple[int, int, int]:
@@ -235,39 +341,74 @@ def _rows_per_microbatch(cfg: RunConfig) -> int:
     return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
 
 
-def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None) -> dict[str, int]:
-    """Bytes one device sends per step, by collective (what the layout implies; see the module docstring).
-    `split`: `_layer_split(cfg)` where the caller has it already."""
+def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, platform: str = "gpu") -> dict[str, int]:
+    """Bytes one device sends per step, by collective: the collectives XLA's partitioner emits for the step.
+
+    Read off the compiled HLO (`collective_bytes`; `benchmarks/comm_bytes.py` compares the two), each
+    per microbatch:
+    - `ep`'s all-to-alls: per layer and wave, the rows out and back ([X, P, Din] each) in the forward, the
+      backward and (under remat) the recomputed forward, and the expert ids ([X, P] int32) in each
+      forward. XLA on CPU moves 16-bit rows as float32; on a GPU, in the compute dtype.
+    - all-gathers: under `full`, each layer's non-expert parameters (float32) in the forward and again in
+      the backward (the recomputed forward reuses that), the embedding and head once a step. Wherever the batch
+      is split, the router's top-k gathers every token's scores ([tokens, E] float32) from all devices,
+      once per top-k (selection; the quantile rules' threshold; the recomputed selection under remat),
+      and the expert load's scatter gathers the [tokens, k, 2] int32 indices once.
+    - all-reduces of the gradient, inside each microbatch (not once per step): the non-expert part over
+      the devices that hold it whole or, under `full`, over the rack (where XLA's CPU partitioner emits
+      an all-reduce, not the reduce-scatter the layout needs); the experts' over the racks. An
+      all-reduce whose group spans racks is counted under `all_reduce_across_racks`.
+    - `optimizer`: the gradient's reduce-scatter and the new parameters' all-gather, once per step.
+    `split`: `_layer_split(cfg)` where the caller has it already.
+    """
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
+    n = R * X  # the devices the batch is split over
     model, moe = cfg.model, cfg.model.moe
-    L, S = model.num_layers, model.seq_len
-    rows = _rows_per_microbatch(cfg)
+    L, S, E, k = model.num_layers, model.seq_len, moe.num_experts, moe.num_experts_per_token
+    tokens = _rows_per_microbatch(cfg) * S  # one device's, one microbatch
     layer, top, experts = split or _layer_split(cfg)
     non_expert = L * layer + top
-    passes = 3 if model.remat == "full" else 2  # forward, backward, and the forward recomputed under remat
-    out = {"all_to_all": 0, "all_gather": 0, "reduce_scatter": 0, "all_reduce_in_rack": 0, "all_reduce_across_racks": 0}
+    remat = model.remat != "none"
+    ring = lambda size, group: size * (group - 1) / group  # noqa: E731  (what one device sends of `size`)
+    out = {"all_to_all": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_in_rack": 0.0,
+           "all_reduce_across_racks": 0.0}
     if moe.dispatch == "ep" and X > 1:
-        # Each pass moves every kept assignment's row out and its result back: cf * tokens * k rows of Din.
-        rows_moved = (moe.transport_capacity_factor or moe.capacity_factor) * rows * S * moe.num_experts_per_token
-        width = model.expert_input_dim * jnp.dtype(cfg.train.compute_dtype).itemsize
-        out["all_to_all"] = int(2 * passes * M * L * rows_moved * width * (X - 1) / X)
+        W = moe.num_waves
+        P = ep.pool_size(tokens, k, X, E // X, W, moe.transport_capacity_factor or moe.capacity_factor)
+        itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize
+        rows = (3 if remat else 2) * 2 * X * P * model.expert_input_dim * itemsize
+        ids = (2 if remat else 1) * X * P * 4
+        out["all_to_all"] = M * L * W * ring(rows + ids, X)
+    if n > 1:
+        top_ks = 1 + (moe.balancing in ("hist", "exact")) + remat
+        out["all_gather"] += M * L * ring(top_ks * n * tokens * E * 4 + n * tokens * k * 2 * 4, n)
     shard = cfg.mesh.shard
+    across = "all_reduce_across_racks" if R > 1 else "all_reduce_in_rack"
     if shard == "full" and X > 1:
-        out["all_gather"] = int(passes * M * non_expert * (X - 1) / X)
-        out["reduce_scatter"] = int(M * non_expert * (X - 1) / X)
+        out["all_gather"] += M * ring(2 * L * layer, X) + ring(top, X)
+        out["all_reduce_in_rack"] += M * 2 * ring(non_expert, X)
+        if R > 1:
+            out["all_reduce_across_racks"] += M * 2 * ring(non_expert / X, R)
     elif shard == "optimizer":
-        out["reduce_scatter"] = int(non_expert * (R * X - 1) / (R * X))
-        out["all_gather"] = int(non_expert * (R * X - 1) / (R * X))  # the new parameters, from their owners
-    elif X > 1:
-        out["all_reduce_in_rack"] = int(2 * non_expert * (X - 1) / X)
-    if R > 1:  # across racks: each device's share of the gradients it does not own alone
-        local = (non_expert / X if shard == "full" else 0 if shard == "optimizer" else non_expert) + L * experts / X
-        out["all_reduce_across_racks"] = int(2 * local * (R - 1) / R)
-    return out
+        out["reduce_scatter"] += ring(non_expert, n) * n
+        out["all_gather"] += ring(non_expert, n)  # the new parameters, from their owners
+    elif n > 1:
+        out[across] += M * 2 * ring(non_expert, n)
+    if R > 1:
+        out["all_reduce_across_racks"] += M * 2 * ring(L * experts / X, R)
+    return {key: int(value) for key, value in out.items()}
 
 
 def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: Links = Links()) -> Plan:
-    """The per-device memory of `cfg`'s train step on `cfg.mesh` and its communication per step."""
+    """The per-device memory of `cfg`'s train step on `cfg.mesh` and its communication per step.
+
+    The state (parameters, moments) is live throughout; on top of it, the step's peak is the largest of
+    three phases: the head's backward (every saved activation and the logits' cotangent), the blocks'
+    backward (the gradient being written, the activations less the logits-sized ones, one block's working
+    set) and the update (the gradient, Adam's update and float32 copies of the largest array's moments).
+    The running gradient sum of `train.microbatches` > 1 and the gathered layer of `mesh.shard=full` are
+    live in both backward phases.
+    """
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
     rows = _rows_per_microbatch(cfg)
     state = state_bytes(cfg)
@@ -275,27 +416,27 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     split = _layer_split(cfg)
     layer, top, _ = split
     grad_sum = grads if M > 1 else 0
-    activations = activation_bytes(cfg, rows, platform)
+    act = activation_bytes(cfg, rows, platform)
     gathered = 2 * (layer + top) if cfg.mesh.shard == "full" and X > 1 else 0  # one layer + embeddings, and grads
     # The update reads the largest array's two moments in float32 when they are stored narrower.
     moments_f32 = 2 * state["largest_param"] if cfg.train.moment_dtype != "float32" else 0
-    backward = grad_sum + activations + gathered
-    update = grads + moments_f32  # Adam's update, the size of the gradient, and the float32 moments of one array
-    terms = {
-        "params": state["params"],
-        "moments": state["moments"],
-        "grads": grads,
-        "grad_sum": grad_sum,
-        "activations": activations,
-        "gathered": gathered,
-        "update": max(0, update - backward),  # only what the update phase needs beyond the backward's peak
-        "other_state": state["other_state"],
+    phases = {
+        "head backward": {"grad_sum": grad_sum, "activations": act.saved, "logits_grad": act.logits_grad,
+                          "gathered": gathered},
+        "blocks backward": {"grads": grads, "grad_sum": grad_sum, "activations": act.saved - act.logits_sized,
+                            "block_work": act.block_work, "gathered": gathered},
+        "update": {"grads": grads, "update": grads + moments_f32},
     }
-    comm = communication(cfg, split)
+    peak = max(phases, key=lambda name: sum(phases[name].values()))
+    always = {"params": state["params"], "moments": state["moments"], "other_state": state["other_state"]}
+    keys = ("grads", "grad_sum", "activations", "logits_grad", "block_work", "gathered", "update")
+    terms = {**always, **{key: phases[peak].get(key, 0) for key in keys}}
+    comm = communication(cfg, split, platform)
     seconds = {k: v / (links.network if k == "all_reduce_across_racks" else links.nvlink) for k, v in comm.items()}
     return Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
                 rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
-                comm=comm, comm_seconds=seconds, links=links)
+                comm=comm, comm_seconds=seconds, links=links, phase=peak,
+                phases={name: int(sum(always.values()) + sum(t.values())) for name, t in phases.items()})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,12 +456,40 @@ def _shape_bytes(types: str) -> int:
     return total
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
-    """Result bytes of each kind of collective per execution of an HLO module's entry computation, per device.
+def _group_size(line: str, num_devices: int) -> int:
+    """Devices in each replica group of a collective: `{{0,1},{2,3}}`, the iota form `[2,4]<=[8]`, or the
+    mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`; all `num_devices` when it names none."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[axis]) for axis in re.findall(r"'(\w+)'", mesh.group(2)))
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    pairs = re.search(r"source_target_pairs=\{([^}]*)\}", line)
+    return 2 if pairs else num_devices
 
-    Walks from ENTRY: a collective (or its async `-start`) adds its result's bytes; a while loop adds its
-    body's total times its `known_trip_count` (an unknown trip count raises rather than guessing); a
-    conditional adds its largest branch; any other called computation adds its total once.
+
+def _wire_bytes(kind: str, result: int, n: int) -> float:
+    """Bytes one device sends for a collective whose result on it is `result` bytes, over groups of `n`
+    (ring algorithms: an all-reduce is a reduce-scatter and an all-gather)."""
+    if n <= 1:
+        return 0
+    return {"all-to-all": result * (n - 1) / n, "all-gather": result * (n - 1) / n,
+            "reduce-scatter": result * (n - 1), "all-reduce": 2 * result * (n - 1) / n,
+            "collective-permute": result}[kind]
+
+
+def collective_bytes(hlo: str, num_devices: int) -> dict[str, int]:
+    """Bytes one device sends per execution of an HLO module's entry computation, by kind of collective.
+
+    Walks from ENTRY: a collective (or its async `-start`) adds what it sends (`_wire_bytes`, from its
+    result and its group size); a while loop adds its body's total times its `known_trip_count` (an
+    unknown trip count raises rather than guessing); a conditional adds its largest branch; any other
+    called computation adds its total once.
     """
     computations: dict[str, list[str]] = {}
     entry = current = None
@@ -345,7 +514,7 @@ def collective_bytes(hlo: str) -> dict[str, int]:
             result, opcode = op.groups()
             kind = opcode.removesuffix("-start")
             if kind in COLLECTIVES:
-                count[kind] += _shape_bytes(result)
+                count[kind] += _wire_bytes(kind, _shape_bytes(result), _group_size(line, num_devices))
             elif opcode == "while":
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
@@ -392,7 +561,7 @@ def compiled_figures(cfg: RunConfig) -> dict[str, Any]:
     total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return {"total": int(total), "arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
             "outputs_not_aliased": int(m.output_size_in_bytes - m.alias_size_in_bytes),
-            "collectives": collective_bytes(compiled.as_text()), "compile_seconds": round(seconds, 1)}
+            "collectives": collective_bytes(compiled.as_text(), cfg.mesh.num_devices), "compile_seconds": round(seconds, 1)}
 
 
 def compile_in_subprocess(cfg: RunConfig, timeout: float = 1800) -> dict[str, Any]:
