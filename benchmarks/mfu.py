@@ -35,6 +35,7 @@ from moelab.config import MeshConfig, RunConfig
 from moelab.errors import ConfigError
 from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
+from moelab.train import memory_plan
 from moelab.train.loop import compute_dtype, make_train_step
 from moelab.train.state import init_sharded_state
 
@@ -179,6 +180,8 @@ def report(cfg: RunConfig, timing: dict, peak: dict) -> dict:
         "mfu_datasheet": accounting.mfu(m, tokens_per_s, DATASHEET_PEAK),
         "mfu_measured_peak": accounting.mfu(m, tokens_per_s, peak["flops_per_s"]),
         "peak_memory_bytes": peak_memory_bytes(),
+        # `moelab plan`'s per-device total for the same step, so every device run re-checks the planner (issue 49).
+        "planned_memory_bytes": memory_plan.plan(cfg, platform="gpu" if on_gpu() else "cpu").total,
     }
 
 

@@ -9,8 +9,9 @@ Each case's train step is lowered and compiled on abstract arrays on simulated C
 The plan is counted for the same config with attention as CPU compiles it (scores materialized). The
 frontier case is one of its 11 racks: 64 devices and the rack's 1,024 of the 11,264 sequences, the same
 per-device work as the full run (no array of its state is split over the 11 racks: 11 divides no
-dimension). Also printed: the collective bytes per device per step, counted from the layout and read
-from the compiled HLO (result bytes, loops multiplied by their trip counts).
+dimension). Also printed: the bytes each device sends per step by kind of collective, counted by the plan
+and read from the compiled HLO (group sizes from the replica groups, loops multiplied by their trip
+counts), and their ratio per kind.
 """
 
 from __future__ import annotations
@@ -42,7 +43,18 @@ def measure(name: str) -> dict:
             "plan_vs_xla": round(planned.total / xla["total"] - 1, 4), "plan_terms": planned.terms,
             "xla_arguments": xla["arguments"], "xla_temporaries": xla["temporaries"],
             "compile_seconds": xla["compile_seconds"], "plan_seconds": round(plan_seconds, 1),
-            "comm_bytes_counted": planned.comm, "comm_bytes_compiled": xla["collectives"]}
+            "comm_bytes_counted": planned.comm, "comm_bytes_compiled": xla["collectives"],
+            "comm_counted_vs_compiled": comm_ratios(planned.comm, xla["collectives"])}
+
+
+def comm_ratios(counted: dict, compiled: dict) -> dict:
+    """Counted / compiled bytes per kind of collective (the plan's keys summed per kind: in and across racks)."""
+    ratios = {}
+    for kind in ("all-to-all", "all-gather", "reduce-scatter", "all-reduce"):
+        mine = sum(v for k, v in counted.items() if k.replace("_", "-").startswith(kind))
+        if mine or compiled[kind]:
+            ratios[kind] = round(mine / compiled[kind], 4) if compiled[kind] else None
+    return ratios
 
 
 def main() -> None:
@@ -56,7 +68,8 @@ def main() -> None:
         return
     for row in rows:
         print(f"{row['case']:>14} on {row['devices']:>3} devices: plan {row['plan_bytes'] / 2**30:9.3f} GiB, "
-              f"XLA {row['xla_bytes'] / 2**30:9.3f} GiB ({row['plan_vs_xla']:+.1%}), compiled in {row['compile_seconds']} s")
+              f"XLA {row['xla_bytes'] / 2**30:9.3f} GiB ({row['plan_vs_xla']:+.1%}), compiled in {row['compile_seconds']} s; "
+              f"communication counted / compiled {row['comm_counted_vs_compiled']}")
 
 
 if __name__ == "__main__":

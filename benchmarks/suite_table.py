@@ -123,18 +123,19 @@ def render(out: Path) -> str:
     lines += _breakdown(layer)
     lines += ["", "Train step (median after warm-up):", "",
               "| preset | backend | batch x seq | step ms | tokens/s | MFU (989) | MFU (matmul) | drop first / mean "
-              "| peak GiB | attention | status |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| peak GiB | planned GiB (vs peak) | attention | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, b in MFU_RUNS:
         r = _load(out / f"mfu_{p}_{b}.json")
         if r.get("status") != "ok":
-            lines.append(f"| {p} | {b} | - | - | - | - | - | - | - | - | {r.get('status')}: {str(r.get('error', ''))[:60]} |")
+            lines.append(f"| {p} | {b} | - | - | - | - | - | - | - | - | - | {r.get('status')}: {str(r.get('error', ''))[:60]} |")
             continue
-        mem = r.get("peak_memory_bytes")
+        mem, planned = r.get("peak_memory_bytes"), r.get("planned_memory_bytes")
+        versus = f"{_num(planned and planned / 2**30, '.1f')}" + (f" ({planned / mem - 1:+.0%})" if mem and planned else "")
         drops = f"{_num(r.get('drop_fraction_first'), '.3f')} / {_num(r.get('drop_fraction_mean'), '.3f')}"
         lines.append(f"| {p} | {b} | {r['batch_size']} x {r['seq_len']} | {r['step_time_s'] * 1e3:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['mfu_datasheet']:.1%} | {r['mfu_measured_peak']:.1%} | {drops} | "
-                     f"{_num(mem and mem / 2**30, '.1f')} | {r.get('attention', '-')} | ok{' (tiny)' if r.get('tiny') else ''} |")
+                     f"{_num(mem and mem / 2**30, '.1f')} | {versus} | {r.get('attention', '-')} | ok{' (tiny)' if r.get('tiny') else ''} |")
     lines += _profiles(out, layer)
     return "\n".join(lines)
 

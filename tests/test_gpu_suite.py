@@ -25,6 +25,7 @@ import pytest
 from helpers import load_benchmark
 from moelab import accounting, presets
 from moelab.model import transformer
+from moelab.train import memory_plan
 from moelab.train.state import init_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,6 +275,8 @@ def test_mfu_arithmetic_comes_from_accounting():
     assert result["model_flops_per_step"] == accounting.flops_per_token(cfg.model) * tokens
     assert result["mfu_datasheet"] == pytest.approx(accounting.flops_per_token(cfg.model) * tokens / 0.25 / 989e12)
     assert result["mfu_measured_peak"] == pytest.approx(result["mfu_datasheet"] * 989 / 700)
+    # Every device run records the planner's total beside its measured peak (issue 49); here, off a GPU, as CPU compiles.
+    assert result["planned_memory_bytes"] == memory_plan.plan(cfg, platform="cpu").total
 
 
 @pytest.mark.parametrize("name", ["gpu-small", "gpu-medium"])

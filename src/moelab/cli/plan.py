@@ -3,6 +3,7 @@
     moelab plan --preset frontier-535b --mesh replica=11,expert=64 --hbm 186GB
     moelab plan run.yaml --mesh expert=8 --hbm 141GB --microbatches 4 --json
     moelab plan --preset ladder-d1024 --mesh expert=8 --compile      # and XLA's own figures beside the plan
+    moelab plan --preset frontier-535b --mesh replica=11,expert=64 --device gb200 --mfu 0.4   # and how long it runs
 
 The counting is `moelab.train.memory_plan`'s; this module parses and prints.
 """
@@ -32,8 +33,17 @@ def plan(
     microbatches: Annotated[Optional[int], typer.Option(help="Gradient accumulation slices (overrides train.microbatches).")] = None,
     platform: Annotated[str, typer.Option(
         help="gpu: attention runs as a fused kernel; cpu: its scores are materialized, as XLA on CPU compiles it.")] = "gpu",
-    nvlink: Annotated[str, typer.Option(help="Bandwidth per device inside a rack, one way, per second.")] = "900GB",
-    network: Annotated[str, typer.Option(help="Bandwidth per device between racks, one way, per second.")] = "50GB",
+    device: Annotated[Optional[str], typer.Option(help=(
+        "h100, h200 or gb200: its datasheet peak, HBM (the default --hbm) and links; gives the step time and "
+        "the run's days."))] = None,
+    mfu: Annotated[Optional[float], typer.Option(help=(
+        "Model FLOPs utilization for the step time, in (0, 1] (default: the newest measured on --device)."))] = None,
+    peak_flops: Annotated[Optional[float], typer.Option(help=(
+        "Dense bf16 FLOP/s of one device, e.g. 989e12 (instead of --device's datasheet; needs --mfu)."))] = None,
+    nvlink: Annotated[Optional[str], typer.Option(help=(
+        "Bandwidth per device inside a rack, one way, per second (default: --device's, else 900GB).") )] = None,
+    network: Annotated[Optional[str], typer.Option(help=(
+        "Bandwidth per device between racks, one way, per second (default: 50GB).") )] = None,
     compile_xla: Annotated[bool, typer.Option("--compile", help=(
         "Also compile the real train step on simulated CPU devices (one per mesh device; nothing allocated) "
         "and show XLA's per-device memory and collective bytes beside the plan."))] = False,
@@ -41,26 +51,44 @@ def plan(
     json_out: JsonOpt = False,
 ) -> None:
     """Per-device memory of a config's train step (parameters, gradients, optimizer state, activations,
-    buffers), the verdict against --hbm, and the communication per step."""
-    from moelab.train import memory_plan
+    buffers), the verdict against --hbm, the communication per step and, on a --device, the step time and
+    the run's days."""
+    from moelab.train import memory_plan, run_length
 
     if platform not in ("gpu", "cpu"):
         raise ConfigError(f"--platform={platform!r} is invalid: must be gpu or cpu.")
     if microbatches is not None and microbatches < 1:
         raise ConfigError(f"--microbatches={microbatches} is invalid: must be an integer >= 1 (train.microbatches).")
-    links = memory_plan.Links(nvlink=memory_plan.parse_bytes(nvlink.removesuffix("/s"), "--nvlink"),
-                              network=memory_plan.parse_bytes(network.removesuffix("/s"), "--network"))
-    limit = None if hbm is None else memory_plan.parse_bytes(hbm, "--hbm")
+    chip = run_length.device_named(device) if device is not None else None
+    if mfu is not None:
+        run_length.check_mfu(mfu)
+    if peak_flops is not None and not peak_flops > 0:
+        raise ConfigError(f"--peak-flops={peak_flops} is invalid: a positive FLOP/s figure, e.g. 989e12.")
+    links = memory_plan.Links(
+        nvlink=memory_plan.parse_bytes(nvlink.removesuffix("/s"), "--nvlink") if nvlink else (chip.nvlink if chip else 900e9),
+        network=memory_plan.parse_bytes(network.removesuffix("/s"), "--network") if network else (chip.network if chip else 50e9))
+    limit = memory_plan.parse_bytes(hbm, "--hbm") if hbm is not None else (chip.hbm if chip else None)
     cfg = resolve_config(config, preset, sets, **{"train.microbatches": microbatches, **mesh_fields(mesh, sets)})
+    timing = None
+    if chip is not None or peak_flops is not None:
+        measured = run_length.MEASURED_MFU.get(device) if device else None
+        if mfu is None and measured is None:
+            raise ConfigError(f"--mfu is needed: no MFU has been measured on {device or 'a device given by --peak-flops'}; "
+                              "give the fraction of the peak you expect, e.g. --mfu 0.35.")
+        rate, source = (mfu, "given (--mfu)") if mfu is not None else measured
     result = memory_plan.plan(cfg, limit, platform, links)
+    if chip is not None or peak_flops is not None:
+        timing = run_length.estimate(cfg, result, peak_flops or chip.peak_flops, rate, source)
+        timing["device"] = chip.name if chip and peak_flops is None else f"{peak_flops:g} FLOP/s (--peak-flops)"
     compiled = memory_plan.compile_in_subprocess(cfg) if compile_xla else None
     if json_out:
-        print(json.dumps({**result.as_json(), **({"xla": compiled} if compiled else {})}))
+        print(json.dumps({**result.as_json(), **({"xla": compiled} if compiled else {}),
+                          **({"time": timing} if timing else {})}))
         return
-    _print(result, compiled)
+    _print(result, compiled, timing)
 
 
-def _print(result, compiled: dict | None) -> None:
+def _print(result, compiled: dict | None, timing: dict | None) -> None:
     mesh = result.mesh
     out_console.print(f"[bold]{result.name}[/bold] on replica={mesh['replica']} x expert={mesh['expert']}, "
                       f"shard={mesh['shard']}: {result.microbatches} microbatch(es) of {result.rows_per_microbatch} "
@@ -77,7 +105,15 @@ def _print(result, compiled: dict | None) -> None:
     if result.hbm is not None:
         verdict = "fits" if result.fits else "does NOT fit"
         out_console.print(f"[bold]{verdict}[/bold]: {result.total / 1e9:,.1f} GB of {result.hbm / 1e9:,.1f} GB "
-                          f"({result.total / result.hbm:.0%}); the largest term is {result.largest}.")
+                          f"({result.total / result.hbm:.0%}); it peaks in the {result.phase}; the largest term is "
+                          f"{result.largest}.")
+        if result.compiler_recomputes:
+            out_console.print(
+                f"  [yellow]XLA will recompute[/yellow]: the step's temporaries "
+                f"({(result.total - result.state) / 1e9:,.1f} GB) exceed what XLA's GPU compiler allows them "
+                f"({result.compiler_limit() / 1e9:,.1f} GB: 0.95 x (0.75 of HBM - the state)), so it rematerializes on "
+                "its own, silently, at a cost in step time. Raise XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9) or take "
+                "a tip below.")
         for tip in result.advice:
             out_console.print(f"  to reduce it: {tip}")
     comm = Table("per step, per device", "GB sent", "seconds", title="communication (counted from the layout)")
@@ -90,4 +126,13 @@ def _print(result, compiled: dict | None) -> None:
                 comm.add_row(f"{kind} (XLA)", f"{size / 1e9:,.1f}", "", style="dim")
     out_console.print(comm)
     out_console.print(f"links: {result.links.nvlink / 1e9:g} GB/s in a rack, {result.links.network / 1e9:g} GB/s between "
-                      "racks, no overlap with compute assumed.")
+                      "racks, one way.")
+    if timing is None:
+        out_console.print("step time and run length: add --device h100|h200|gb200 (or --peak-flops and --mfu).")
+        return
+    out_console.print(
+        f"[bold]time[/bold] on {timing['devices']} x {timing['device']} at MFU {timing['mfu']:.1%} ({timing['mfu_source']}): "
+        f"compute {timing['compute_seconds']:,.2f} s + communication {timing['communication_seconds']:,.2f} s a step; "
+        f"{timing['step_seconds']:,.2f} s without overlap, {timing['step_seconds_overlapped']:,.2f} s with full overlap. "
+        f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{timing['days']:,.1f} days[/bold] "
+        f"({timing['days_overlapped']:,.1f} with full overlap).")

@@ -4,6 +4,6 @@
 - `loop`: the train step, eval, and the run that resumes and writes its outputs.
 - `checkpoint`: Orbax saves sealed by a checksum manifest; `weights`: a finished run's params.
 - `monitor`: norms and spike incidents; `contingency`: re-planning after lost compute.
-- `memory_plan`: a step's memory and traffic per device (`moelab plan`).
+- `memory_plan`: a step's memory and traffic per device (`moelab plan`); `run_length`: its step time and days.
 - `outputs`: the run directory's contract; `publish`: copying it to object storage on a cadence.
 """

@@ -353,7 +353,9 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
       the backward (the recomputed forward reuses that), the embedding and head once a step. Wherever the batch
       is split, the router's top-k gathers every token's scores ([tokens, E] float32) from all devices,
       once per top-k (selection; the quantile rules' threshold; the recomputed selection under remat),
-      and the expert load's scatter gathers the [tokens, k, 2] int32 indices once.
+      and the expert load's scatter gathers the [tokens, k, 2] int32 indices once. Over several racks
+      these gathers span them (`all_gather_across_racks`): a cost of the partitioner's choice that
+      routing inside each device's own tokens would remove.
     - all-reduces of the gradient, inside each microbatch (not once per step): the non-expert part over
       the devices that hold it whole or, under `full`, over the rack (where XLA's CPU partitioner emits
       an all-reduce, not the reduce-scatter the layout needs); the experts' over the racks. An
@@ -370,8 +372,8 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
     non_expert = L * layer + top
     remat = model.remat != "none"
     ring = lambda size, group: size * (group - 1) / group  # noqa: E731  (what one device sends of `size`)
-    out = {"all_to_all": 0.0, "all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_in_rack": 0.0,
-           "all_reduce_across_racks": 0.0}
+    out = {"all_to_all": 0.0, "all_gather": 0.0, "all_gather_across_racks": 0.0, "reduce_scatter": 0.0,
+           "all_reduce_in_rack": 0.0, "all_reduce_across_racks": 0.0}
     if moe.dispatch == "ep" and X > 1:
         W = moe.num_waves
         P = ep.pool_size(tokens, k, X, E // X, W, moe.transport_capacity_factor or moe.capacity_factor)
@@ -381,7 +383,8 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
         out["all_to_all"] = M * L * W * ring(rows + ids, X)
     if n > 1:
         top_ks = 1 + (moe.balancing in ("hist", "exact")) + remat
-        out["all_gather"] += M * L * ring(top_ks * n * tokens * E * 4 + n * tokens * k * 2 * 4, n)
+        out["all_gather" if R == 1 else "all_gather_across_racks"] += M * L * ring(
+            top_ks * n * tokens * E * 4 + n * tokens * k * 2 * 4, n)
     shard = cfg.mesh.shard
     across = "all_reduce_across_racks" if R > 1 else "all_reduce_in_rack"
     if shard == "full" and X > 1:
@@ -432,7 +435,7 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     keys = ("grads", "grad_sum", "activations", "logits_grad", "block_work", "gathered", "update")
     terms = {**always, **{key: phases[peak].get(key, 0) for key in keys}}
     comm = communication(cfg, split, platform)
-    seconds = {k: v / (links.network if k == "all_reduce_across_racks" else links.nvlink) for k, v in comm.items()}
+    seconds = {k: v / (links.network if k.endswith("across_racks") else links.nvlink) for k, v in comm.items()}
     return Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
                 rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
                 comm=comm, comm_seconds=seconds, links=links, phase=peak,

@@ -1,0 +1,89 @@
+"""How long a run takes: its step time on a stated device, and its days for the config's token budget.
+
+    device = run_length.DEVICES["h200"]
+    estimate = run_length.estimate(cfg, memory_plan.plan(cfg, links=device.links), device)
+    estimate["step_seconds"], estimate["days"]
+
+The compute is the config's training FLOPs per step (`accounting.flops_per_token`) split over the mesh,
+at an MFU: the user's, or the newest one measured on that device kind (`MEASURED_MFU`, from the lab's
+GPU records). The communication is `memory_plan.communication`'s bytes at the device's link bandwidths
+(inside a rack over NVLink, between racks over the network). Two figures bound the step: no overlap
+(compute, then communication) and full overlap (the larger of the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moelab import accounting
+from moelab.config import RunConfig
+from moelab.errors import ConfigError
+
+__all__ = ["Device", "DEVICES", "MEASURED_MFU", "device_named", "check_mfu", "estimate"]
+
+DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator by its datasheet: dense bf16 FLOP/s, HBM bytes, and link bandwidths one way per second."""
+
+    name: str
+    peak_flops: float
+    hbm: int
+    nvlink: float
+    network: float = 50e9  # 400 Gb/s InfiniBand (or Ethernet) per GPU
+
+
+DEVICES = {
+    # NVLink 4: 900 GB/s both ways per GPU; 80 GB HBM3.
+    "h100": Device("NVIDIA H100 SXM", 989e12, 80 * 10**9, 450e9),
+    # The same GH100 chip with 141 GB of HBM3e.
+    "h200": Device("NVIDIA H200 SXM", 989e12, 141 * 10**9, 450e9),
+    # One Blackwell GPU of a GB200 NVL72 rack: NVLink 5 (1.8 TB/s both ways), 13.4 TB of HBM3e over 72 GPUs.
+    "gb200": Device("NVIDIA GB200 (one B200 GPU of an NVL72 rack)", 2.5e15, 186 * 10**9, 900e9),
+}
+
+# The newest train-step MFU measured per device kind (of the datasheet peak), and its source. The H100 is
+# the H200's chip with less memory, so it borrows the H200's figure; a GB200 has none yet (give --mfu).
+MEASURED_MFU = {
+    "h200": (0.319, "gpu-medium, capacity dispatch, on an H200 (benchmarks/results/h200-2026-12-04.json)"),
+    "h100": (0.319, "measured on an H200, the same GH100 chip (benchmarks/results/h200-2026-12-04.json)"),
+}
+
+
+def device_named(name: str) -> Device:
+    """`DEVICES[name]`; a ConfigError naming --device and the choices otherwise."""
+    if name not in DEVICES:
+        raise ConfigError(f"--device={name!r} is unknown: choose one of {', '.join(DEVICES)} "
+                          "(or give --peak-flops and --hbm for another device).")
+    return DEVICES[name]
+
+
+def check_mfu(mfu: float) -> float:
+    """An MFU in (0, 1]; a ConfigError naming --mfu otherwise."""
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu={mfu} is invalid: a fraction of the peak in (0, 1], e.g. 0.35.")
+    return mfu
+
+
+def estimate(cfg: RunConfig, plan: Any, peak_flops: float, mfu: float, mfu_source: str) -> dict[str, Any]:
+    """Step time and run length of `cfg` on its mesh, one device `peak_flops` at `mfu`, moving `plan.comm`
+    at `plan.links` (a `memory_plan.Plan`)."""
+    if not peak_flops > 0:
+        raise ConfigError(f"--peak-flops={peak_flops} is invalid: a positive FLOP/s figure, e.g. 989e12.")
+    check_mfu(mfu)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    flops_per_device = accounting.flops_per_token(cfg.model) * tokens_per_step / cfg.mesh.num_devices
+    compute = flops_per_device / (mfu * peak_flops)
+    communication = float(sum(plan.comm_seconds.values()))
+    serial, overlapped = compute + communication, max(compute, communication)
+    steps = cfg.train.steps
+    return {
+        "peak_flops": peak_flops, "mfu": mfu, "mfu_source": mfu_source,
+        "devices": cfg.mesh.num_devices, "tokens": accounting.train_tokens(cfg), "steps": steps,
+        "compute_seconds": compute, "communication_seconds": communication,
+        "step_seconds": serial, "step_seconds_overlapped": overlapped,
+        "days": steps * serial / DAY, "days_overlapped": steps * overlapped / DAY,
+    }
