@@ -116,7 +116,7 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
                 "a tip below.")
         for tip in result.advice:
             out_console.print(f"  to reduce it: {tip}")
-    comm = Table("per step, per device", "GB sent", "seconds", title="communication (counted from the layout)")
+    comm = Table("per step, per device", "GB sent", "seconds", title="communication (the collectives XLA emits)")
     for kind, size in result.comm.items():
         if size:
             comm.add_row(kind.replace("_", " "), f"{size / 1e9:,.1f}", f"{result.comm_seconds[kind]:,.2f}")
@@ -124,7 +124,10 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
         for kind, size in compiled["collectives"].items():
             if size:
                 comm.add_row(f"{kind} (XLA)", f"{size / 1e9:,.1f}", "", style="dim")
-    out_console.print(comm)
+    if comm.row_count:
+        out_console.print(comm)
+    else:
+        out_console.print("communication: none (one device)")
     out_console.print(f"links: {result.links.nvlink / 1e9:g} GB/s in a rack, {result.links.network / 1e9:g} GB/s between "
                       "racks, one way.")
     if timing is None:
@@ -134,5 +137,9 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
         f"[bold]time[/bold] on {timing['devices']} x {timing['device']} at MFU {timing['mfu']:.1%} ({timing['mfu_source']}): "
         f"compute {timing['compute_seconds']:,.2f} s + communication {timing['communication_seconds']:,.2f} s a step; "
         f"{timing['step_seconds']:,.2f} s without overlap, {timing['step_seconds_overlapped']:,.2f} s with full overlap. "
-        f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{timing['days']:,.1f} days[/bold] "
-        f"({timing['days_overlapped']:,.1f} with full overlap).")
+        f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{_duration(timing['days'])}[/bold] "
+        f"({_duration(timing['days_overlapped'])} with full overlap).")
+
+
+def _duration(days: float) -> str:
+    return f"{days:,.1f} days" if days >= 1 else f"{days * 24:,.2f} hours"

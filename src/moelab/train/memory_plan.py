@@ -127,8 +127,9 @@ class Plan:
             tips.append("--set mesh.shard=full: split the non-expert parameters and gradients across the rack")
         elif shard == "replicate":
             tips.append("--set mesh.shard=optimizer: split the Adam moments across the mesh (ZeRO-1)")
-        if t["activations"] > 0.2 * self.total and self.rows_per_microbatch > 1:
-            tips.append(f"--microbatches {self.microbatches * 2}: half the sequences a device runs at once")
+        per_row = t["activations"] + t["logits_grad"] + t["block_work"]
+        if per_row > 0.2 * self.total and self.rows_per_microbatch > 1:
+            tips.append(f"--set train.microbatches={self.microbatches * 2}: half the sequences a device runs at once")
         if t["activations"] > 0.2 * self.total:
             tips.append("--set model.remat=full: keep each block's input only, recompute the rest")
         if t["moments"] > 0.2 * self.total:
