@@ -23,7 +23,7 @@ export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_COMPILATION_CACHE_DIR=${MOELAB_JAX_CACHE:-/tmp/moelab_jax_cache}
 
 MOE_PRESETS="gpu-small gpu-medium"
-BACKENDS="capacity grouped ep dropless"  # dropless last: ragged_dot's GPU fallback is the slow one (design §6)
+BACKENDS="capacity grouped ep dropless"  # dropless last: ragged_dot's GPU fallback is the slow one (architecture §6)
 
 # MOELAB_SUITE_TINY unset: tiny unless JAX sees a GPU; 1: tiny; 0: the full shapes wherever we are.
 if [ -z "${MOELAB_SUITE_TINY:-}" ] && [ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" != "gpu" ]; then

@@ -1,4 +1,4 @@
-"""Test-session setup: eight simulated CPU devices for the multi-device tests (design §4).
+"""Test-session setup: eight simulated CPU devices for the multi-device tests (architecture §4).
 
 XLA reads the flag once, when JAX starts its CPU backend, so it must be in the environment before
 any test module imports jax; pytest imports this file first. Single-device code is unaffected: an

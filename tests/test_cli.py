@@ -152,7 +152,7 @@ def test_the_readme_preset_table_names_every_preset_and_points_at_nothing_outsid
     table = text[text.index("| preset | what |"):]
     table = table[: table.index("\n\n")]
     assert all(f"`{name}`" in table for name in presets.describe()), set(presets.describe())
-    assert "../" not in text  # a clone holds only the repository: ../shared/design.md was a dead link
+    assert "../" not in text  # a clone holds only the repository: a link out of it is dead
 
 
 @pytest.mark.parametrize("command", [["flops"], ["presets"], ["lab", "show"], ["lab", "run"]])

@@ -123,7 +123,7 @@ def test_arithmetic_documents_depend_on_the_seed_and_stop_at_one_megabyte():
 
 
 def test_train_seed_leaves_the_corpus_alone_and_data_seed_changes_only_the_arithmetic(corpus):
-    """Seeds compared on one held-out set must see the same set (design §4): `train.seed` is init and data
+    """Seeds compared on one held-out set must see the same set (architecture §4): `train.seed` is init and data
     order; the generated content is `data.seed`'s. Checked through the loop's own `prepare_corpus`."""
     from moelab import presets
     from moelab.config import override

@@ -1,7 +1,7 @@
 """The package's layers import only downward, with no cycles, and only the CLI imports Typer.
 
 Every `import` in every module counts, also those inside functions: a lazy import that dodges a
-cycle is still a cycle, and one that reaches up is still a layer broken. The order (design.md §2):
+cycle is still a cycle, and one that reaches up is still a layer broken. The order (architecture §2):
 """
 
 import ast
@@ -53,7 +53,7 @@ GRAPH = {name: {m for m in _imports(path) if m in MODULES and m != name} for nam
 def _layer(module: str) -> int:
     top = module.split(".")[1] if module.count(".") else ""
     if top not in LAYER_OF:
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS (design.md §2) or move it")
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS (architecture §2) or move it")
     return LAYER_OF[top]
 
 
@@ -97,3 +97,22 @@ def test_only_the_cli_package_imports_typer():
 def test_the_graph_is_not_empty():
     """The walk above sees the package's real imports (a broken walk would pass every test)."""
     assert "moelab.config" in GRAPH["moelab.train.loop"] and len(MODULES) > 30
+
+
+def test_every_architecture_reference_names_a_section_of_the_repositorys_own_document():
+    """Docstrings cite `docs/architecture.md` as "architecture §N"; a clone must be able to follow each one,
+    and nothing may point at the design file that lived beside the repository."""
+    import re
+
+    root = PACKAGE.parents[1]
+    sections = set(re.findall(r"^## (\d+[a-z]?)\.", (root / "docs" / "architecture.md").read_text(), re.M))
+    files = [p for folder in ("src", "tests", "benchmarks", "docs") for p in (root / folder).rglob("*")
+             if p.suffix in (".py", ".md", ".sh") and p.name != "test_layers.py"] + [root / "README.md"]
+    cited, stale = set(), []
+    for path in files:
+        text = path.read_text()
+        cited |= set(re.findall(r"architecture §(\d+[a-z]?)", text))
+        if re.search(r"design\.md|design §", text):
+            stale.append(path.name)
+    assert not stale, stale
+    assert cited and cited <= sections, cited - sections

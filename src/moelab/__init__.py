@@ -1,4 +1,4 @@
-"""moelab: train Mixture-of-Experts language models the way an open lab does (design.md).
+"""moelab: train Mixture-of-Experts language models the way an open lab does (docs/architecture.md).
 
 Layers, low to high; a module imports its own layer or lower ones only (tests/test_layers.py):
 

@@ -7,7 +7,7 @@ batch and the dispatch backend) are `RunConfig`'s, so a config that constructs i
 devices permitting. Derive variants with `dataclasses.replace` or `override`; named configs and
 "preset or file plus overrides" are `moelab.presets`.
 
-Why one module of ~800 lines: every cross-field rule lives here (design.md §2), so a reader checks what
+Why one module of ~800 lines: every cross-field rule lives here (architecture §2), so a reader checks what
 a config may hold in one place; split by section, the rules between sections would scatter.
 """
 
@@ -310,7 +310,7 @@ def _default_phases(domains: tuple[DomainConfig, ...]) -> tuple[PhaseConfig, ...
     """The phases of a data section that lists none: the embedded mixture for the embedded domains, else one
     phase with equal weights (so your own domains need no phases to start with)."""
     if tuple(d.name for d in domains) == EMBEDDED_DOMAINS:
-        # Pre-training favours code and prose; mid-training shifts weight toward arithmetic (design §3b).
+        # Pre-training favours code and prose; mid-training shifts weight toward arithmetic (architecture §3b).
         return (
             PhaseConfig("pretrain", 0.8, {"code": 0.45, "prose": 0.45, "arithmetic": 0.10}),
             PhaseConfig("midtrain", 0.2, {"code": 0.25, "prose": 0.25, "arithmetic": 0.50}),

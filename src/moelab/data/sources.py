@@ -1,6 +1,6 @@
 """Data domains as lists of documents: the embedded ones (stdlib code, pydoc prose, arithmetic) and user files.
 
-Every Python install carries enough text to train a small language model (design §3b), so `make demo` and
+Every Python install carries enough text to train a small language model (architecture §3b), so `make demo` and
 the tests need no download:
 
 - `code`: the standard library's `.py` files, one file per document, in sorted path order;

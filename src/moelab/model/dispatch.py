@@ -1,6 +1,6 @@
 """Single-device dispatch backends: how routed rows reach their experts and come back.
 
-Every backend computes the same function (design §3):
+Every backend computes the same function (architecture §3):
 
     out[t] = sum_j weights[t, j] * expert_{idx[t, j]}(h[t])
     expert_e(h) = (silu(h W_gate[e]) * (h W_up[e])) W_down[e]            (SwiGLU)
@@ -8,7 +8,7 @@ Every backend computes the same function (design §3):
 - `dense`: every expert on every token, masked by the combine weights. O(T E) work; the test oracle.
 - `capacity`: sort the T*k assignments by expert, gather them into fixed [E, C, Din] buffers, one
   batched einsum over experts, gather back. Assignments past an expert's capacity C are dropped
-  (they contribute 0) and counted. Static shapes, so this is the fast path on GPU (design §6).
+  (they contribute 0) and counted. Static shapes, so this is the fast path on GPU (architecture §6).
 - `dropless`: `jax.lax.ragged_dot` over the expert-sorted rows; nothing is dropped. On GPU XLA runs
   it as a dense masked product (slow, and large scratch), so it is the reference grouped GEMM.
 - `grouped`: dropless too, through our Pallas grouped GEMM (`moelab.model.grouped_matmul`): each

@@ -2,7 +2,7 @@
 
     y = up(dispatch(norm(x @ W_latent_down), route(x))) + shared(x)
 
-The router always reads the full-width x (design §3). Under LatentMoE (`cfg.moe.latent_dim` set)
+The router always reads the full-width x (architecture §3). Under LatentMoE (`cfg.moe.latent_dim` set)
 only the routed path runs at the latent width: rows are projected down and RMS-normalized before
 dispatch, and the combined output is projected back up. Shared experts are dense SwiGLU MLPs on every
 token; the N of them are stored fused as one SwiGLU of width N * shared_dim, which is the same

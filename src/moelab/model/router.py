@@ -176,7 +176,7 @@ def selection_margins(scores: jax.Array, bias: jax.Array, expert_idx: jax.Array)
 
     Token i chooses expert j iff s_ij + b_j > a_ij, i.e. iff margin_ij > -b_j, and a_ij does not
     depend on b_j. a_ij is the (k+1)-th largest biased score of token i when j is among its top k,
-    and the k-th largest when it is not (design §3's a_i is the first case). Taking the (k+1)-th for
+    and the k-th largest when it is not (architecture §3's a_i is the first case). Taking the (k+1)-th for
     every j would put the expert ranked k+1 exactly at margin -b_j, so an underloaded expert's
     quantile would sit on that pile-up instead of on the bar it actually has to clear (on a skewed
     synthetic router that variant ended at running MaxVio 0.03-0.05 where this one reaches 0.005-0.01).
@@ -371,7 +371,7 @@ def quantile_balancing(
     preset, when all tokens' scores move together), the bias trails and MaxVio stays high until the
     router settles.
 
-    Reference: design §3; the bias-only (loss-free) balancing of Wang et al. 2024, "Auxiliary-Loss-Free
+    Reference: architecture §3; the bias-only (loss-free) balancing of Wang et al. 2024, "Auxiliary-Loss-Free
     Load Balancing Strategy for Mixture-of-Experts", with their sign step replaced by a quantile
     solve.
 

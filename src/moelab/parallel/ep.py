@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch: pooled fixed-capacity all-to-all under `shard_map` (design §3).
+"""Expert-parallel dispatch: pooled fixed-capacity all-to-all under `shard_map` (architecture §3).
 
 The routed experts are sharded over the mesh's `expert` axis (X shards of E_l = E / X experts); the
 tokens over ("replica", "expert"). Each device, with T local tokens and A = T k assignments, runs:
@@ -23,7 +23,7 @@ tokens over ("replica", "expert"). Each device, with T local tokens and A = T k 
 Waves cut the buffers each collective and GEMM touch by W at the same total bytes, and give XLA
 independent collective / GEMM pairs it can overlap. Under LatentMoE the rows are latent-width, so the
 all-to-all carries d_latent instead of d_model columns. Everything is static-shaped: fixed pools
-instead of `jax.lax.ragged_all_to_all`, which does not run on CPU (design §6). Gradients flow back
+instead of `jax.lax.ragged_all_to_all`, which does not run on CPU (architecture §6). Gradients flow back
 through the same all_to_alls (the op is linear; its transpose is the reverse exchange).
 
 With capacity large enough to drop nothing, the result equals `moelab.model.dispatch.dense` in

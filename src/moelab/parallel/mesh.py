@@ -4,7 +4,7 @@
     state = jax.device_put(state, state_shardings(state, mesh))
     tokens = place_batch(np_tokens, mesh)            # [B, S+1] sharded over both axes
 
-Layout (design §3): data parallel across `replica` groups (racks), expert parallel inside each.
+Layout (architecture §3): data parallel across `replica` groups (racks), expert parallel inside each.
 - the batch is sharded over ("replica", "expert") jointly: every device holds B / (R X) sequences;
 - routed experts' weights (`w_gate`, `w_up`, `w_down`, and their optimizer moments) are sharded
   over `expert` on their expert axis;
@@ -19,7 +19,7 @@ Nothing in the model names these layouts: jit's partitioner (GSPMD, Auto axes be
 parameter where a matmul needs it and reduce-scatters its gradient, the same program with other
 collectives. `moelab plan` counts what each layout holds per device and moves per step.
 
-Axis-type convention (design §6): the mesh's axes are `AxisType.Auto`, and every array that
+Axis-type convention (architecture §6): the mesh's axes are `AxisType.Auto`, and every array that
 crosses a jit boundary is placed with a `NamedSharding` first (`state_shardings`, `place_batch`).
 Auto lets the model code stay sharding-agnostic: GSPMD propagates the batch sharding through
 attention and the router, and the one place that must know the layout, the expert-parallel

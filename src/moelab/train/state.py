@@ -1,7 +1,7 @@
 """TrainState: params, optimizer state, router bias and step; the optimizer that updates them.
 
 The router bias lives here, beside the params, never inside them: the optimizer and the loss never
-see it (design §3). Data order depends only on (seed, step), so `step` is also the data cursor.
+see it (architecture §3). Data order depends only on (seed, step), so `step` is also the data cursor.
 """
 
 from __future__ import annotations
