@@ -42,3 +42,22 @@ def test_a_damaged_prediction_or_sidecar_is_refused_by_name(prediction, tmp_path
             assert "PRED" in str(e), e
 
     run()
+
+
+def test_a_watched_run_keeps_its_own_copy_of_the_prediction_under_the_contracts_name(prediction, tmp_path):
+    """`contract.keep_copy`: PRED.csv and its sidecar land in the run as prediction.csv / .json, the one
+    place the report and the site look (no reader guesses among paths); copying onto itself is a no-op."""
+    from moelab.ladder import contract
+
+    copy = contract.keep_copy(prediction / "PRED.csv", tmp_path / "run")
+    assert copy == tmp_path / "run" / contract.PREDICTION
+    assert copy.read_bytes() == (prediction / "PRED.csv").read_bytes()
+    assert contract.read_sidecar(copy) == contract.read_sidecar(prediction / "PRED.csv") is not None
+    assert contract.keep_copy(copy, tmp_path / "run") == copy and copy.read_bytes() == (prediction / "PRED.csv").read_bytes()
+    band = contract.read_band(copy)
+    assert list(band) == list(contract.BAND_SERIES) and len(band["step"]) == len(contract.load_prediction(copy))
+    assert contract.self_check(copy) == contract.read_sidecar(copy)["self_check"]
+    contract.sidecar_path(copy).write_text("[1, 2]")
+    with pytest.raises(DataError, match="prediction.json"):
+        contract.read_sidecar(copy)
+    assert contract.self_check(copy) is None  # a page then says nothing about trust, rather than failing

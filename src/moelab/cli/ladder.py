@@ -113,7 +113,7 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
-    from moelab.ladder.contract import sidecar_path
+    from moelab.ladder.contract import PREDICTION, sidecar_path
     from moelab.ladder.run import TASK_PREDICTION, plan_ladder, run_ladder
 
     ladder = _recipe(recipe, None)
@@ -126,10 +126,10 @@ def run(
     _print_fit(summary)
     if task:
         _print_task(summary["task"], out / TASK_PREDICTION)
-    pred = out / "prediction.csv"
+    pred = out / PREDICTION
     out_console.print(f"Prediction for the target in {pred}; fit summary in {sidecar_path(pred)}.")
     out_console.print(f"Train the target against it: moelab train {out / 'target.yaml'} --predicted "
-                      f"{out / 'prediction.csv'} --out {out / 'target'}")
+                      f"{pred} --out {out / 'target'}")
 
 
 @ladder_app.command()

@@ -120,9 +120,11 @@ def train(
         if not predicted.is_file():
             raise ConfigError(f"--predicted {predicted} does not exist; write it with `moelab ladder run` or "
                               "`ladder fit`.")
+        from moelab.ladder.contract import keep_copy
         from moelab.ladder.on_track import load_on_track  # scipy: only when predictions are checked
 
-        watchers.append(load_on_track(predicted))
+        # The run keeps its own copy (OUT/prediction.csv and sidecar): the one place its report looks.
+        watchers.append(load_on_track(keep_copy(predicted, out) if is_writer() else predicted))
     sinks = []
     if publish is not None:
         from moelab.train.publish import Publisher

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Mapping
 
@@ -69,14 +68,11 @@ def run_training(ctx: StepContext, progress: Progress | None = None,
                                ctx.config["publish_every"]))
     watchers: list[Watcher] = []
     if ctx.config.get("predicted_by"):  # watched against a fit step's prediction, kept beside the run
-        from moelab.ladder.contract import sidecar_path
+        from moelab.ladder.contract import PREDICTION, keep_copy
         from moelab.ladder.on_track import load_on_track
 
-        predicted, fitted = ctx.output_dir / "prediction.csv", ctx.deps[ctx.config["predicted_by"]] / "prediction.csv"
-        shutil.copyfile(fitted, predicted)
-        if sidecar_path(fitted).is_file():  # the fit's noise (for the forecast) and its self-check
-            shutil.copyfile(sidecar_path(fitted), sidecar_path(predicted))
-        watchers.append(load_on_track(predicted))
+        # The fit's prediction and sidecar (its noise, for the forecast, and its self-check), kept in the run.
+        watchers.append(load_on_track(keep_copy(ctx.deps[ctx.config["predicted_by"]] / PREDICTION, ctx.output_dir)))
     with progress(cfg) if progress is not None else contextlib.nullcontext() as hooks:
         return train(cfg, ctx.output_dir, hooks, sinks=sinks, watchers=watchers)
 

@@ -36,7 +36,7 @@ from moelab.lab.ledger import Ledger, verify
 from moelab.lab.plots import forecast_plot, line_plot, mixture_plot, router_load_heatmap
 from moelab.lab.registry import REPRODUCTION, Experiment, band_text, load_experiment, verdict
 from moelab.lab.view import RunFiles, find_run_dir, read_run, series
-from moelab.ladder.contract import sidecar_path
+from moelab.ladder.contract import self_check
 from moelab.train.outputs import CONFIG, MIXTURE_LOG, ROUTER_LOAD, SAMPLES
 
 __all__ = ["SECTION_IDS", "STATED", "REPORT_FORMAT", "REPORT_VERSION", "REPORT_JSON", "Section", "stated_tables",
@@ -113,9 +113,8 @@ def _hypothesis(experiment: Experiment, run: RunFiles) -> Section:
 
 def _self_check_text(pred_path: Path) -> str | None:
     """The prediction's leave-largest-out self-check, from its sidecar JSON, as one sentence."""
-    try:
-        check = json.loads(sidecar_path(pred_path).read_text())["self_check"]
-    except (OSError, ValueError, KeyError, TypeError):
+    check = self_check(pred_path)
+    if check is None:
         return None
     if "skipped" in check:
         return f"Self-check skipped: {check['skipped']}"

@@ -5,8 +5,9 @@
     run = read_run(out, record)                         # ... and every file in it it states
 
 Two renderers (`lab.report`, `lab.site`) and `lab verify` read an experiment; each file and each number
-has one reader here, so they cannot disagree: `read_band` is the one reader of prediction.csv (through
-the ladder's `load_prediction`), `locate_run_dir` the one lookup of a recorded run directory (moved with
+has one reader here or in the ladder's contract, so they cannot disagree: a run's prediction is the
+copy it keeps as `contract.PREDICTION` (`find_prediction`), read by `contract.read_band`;
+`locate_run_dir` the one lookup of a recorded run directory (moved with
 ROOT or not), `series` the one metric series and `final_value` the one observed value.
 """
 
@@ -23,16 +24,12 @@ from moelab.errors import ConfigError, DataError
 from moelab.lab.ledger import Record
 from moelab.lab.registry import (FINISHED, TRAIN_STEP, Experiment, experiment_status, resolve_run_config,
                                  verdict)
-from moelab.ladder.contract import load_prediction
+from moelab.ladder import contract
 from moelab.ladder.rungs import recipe_from_data
 from moelab.train.outputs import DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl, read_summary
 
-__all__ = ["PREDICTION", "BAND_COLUMNS", "series", "final_value", "locate_run_dir", "find_run_dir", "find_prediction",
+__all__ = ["series", "final_value", "locate_run_dir", "find_run_dir", "find_prediction",
            "read_band", "RunFiles", "read_run", "experiment_verdict", "RunView", "ExperimentView", "experiment_view"]
-
-PREDICTION = "prediction.csv"  # the fit's predicted band, copied beside a run watched against it
-BAND_COLUMNS = ("step", "loss_pred", "lo80", "hi80", "lo95", "hi95")  # what a plot of the band reads
-
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` over the rows that logged it as a number."""
@@ -84,24 +81,19 @@ def find_run_dir(experiment: Experiment) -> tuple[Path, dict]:
     return out, body
 
 
-def find_prediction(out: Path, body: dict) -> Path | None:
-    """The prediction a run was watched against: the one its record names, else prediction.csv beside it (the
-    fit's copy) or in its parent."""
-    named = body.get("predicted") or (body.get("result") or {}).get("predicted")
-    candidates = ([Path(named)] if named else []) + [out / PREDICTION, out.parent / PREDICTION]
-    return next((path for path in candidates if path.is_file()), None)
+def find_prediction(out: Path) -> Path | None:
+    """The prediction a run was watched against: the copy it keeps in its directory (`contract.keep_copy`)."""
+    path = out / contract.PREDICTION
+    return path if path.is_file() else None
 
 
 def read_band(path: Path) -> tuple[dict[str, list[float]] | None, str | None]:
-    """(prediction.csv's BAND_COLUMNS, None), or (None, why not): a file that cannot be read is stated, so a page
-    says why it has no band instead of showing none as if there were no prediction."""
+    """(`contract.read_band`, None), or (None, why not): a file that cannot be read is stated, so a page says
+    why it has no band instead of showing none as if there were no prediction."""
     try:
-        rows = load_prediction(path)
+        return contract.read_band(path), None
     except (DataError, OSError, UnicodeDecodeError) as e:
         return None, f"{path.name} cannot be read as a prediction: {e}"
-    if not rows:
-        return None, f"{path.name} holds no rows"
-    return {c: [float(r[c]) for r in rows] for c in BAND_COLUMNS}, None
 
 
 @dataclass
@@ -113,7 +105,7 @@ class RunFiles:
     metrics: list[dict]
     summary: dict
     prediction: Path | None  # the prediction.csv it was watched against
-    band: dict[str, list[float]] | None  # that file's BAND_COLUMNS
+    band: dict[str, list[float]] | None  # that file's `contract.BAND_SERIES`
     band_problem: str | None  # why there is a prediction but no band
     mixture: list[dict]  # mixture_log.jsonl
     data: dict | None  # data.json: the token stores it read
@@ -151,7 +143,7 @@ def read_run(out: Path, record: dict) -> RunFiles:
     (`{}` reads nothing outside `out` and its parent: what `lab verify` passes for a bundle)."""
     metrics = read_jsonl(out / METRICS)
     summary = read_summary(out)
-    prediction = find_prediction(out, record)
+    prediction = find_prediction(out)
     band, problem = read_band(prediction) if prediction is not None else (None, None)
     data = json.loads((out / DATA).read_text()) if (out / DATA).is_file() else None
     step, load = _router_load(out)
@@ -178,7 +170,7 @@ class RunView:
     metrics: list[dict] = field(default_factory=list)
     incidents: list[dict] = field(default_factory=list)
     mixture: list[dict] = field(default_factory=list)
-    band: dict[str, list[float]] | None = None  # prediction.csv's BAND_COLUMNS, for the run a fit predicted
+    band: dict[str, list[float]] | None = None  # `contract.read_band`, for the run a fit predicted
     band_problem: str | None = None  # why a prediction.csv it was watched against gives no band
 
 
@@ -227,7 +219,7 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
         observed = values[-1] if values else None
         body = steps[TRAIN_STEP][-1].body if steps.get(TRAIN_STEP) else {}  # the newest training event's run
         where = locate_run_dir(body, root, experiment.id)
-        prediction = find_prediction(where, body) if where is not None else None
+        prediction = find_prediction(where) if where is not None else None
         if prediction is not None:
             runs[main].band, runs[main].band_problem = read_band(prediction)
     if status == FINISHED:

@@ -34,7 +34,7 @@ from scipy import optimize, signal, special
 
 from moelab.errors import DataError
 from moelab.ladder import NUM_BOOTSTRAP
-from moelab.ladder.contract import BAND_COLUMNS
+from moelab.ladder.contract import INTERVAL_COLUMNS
 from moelab.ladder.curve import TRANSIENT_FRACTION, CurveLaw, Run, curve_loss, curve_losses, fitted_rows, past_warmup
 from moelab.ladder.fit import EXPONENT_BOUNDS, _anneal_params, _check_ladder, _fit_rows, _noise_of, noise_scale
 
@@ -309,7 +309,7 @@ def _mixture_quantiles(centres: np.ndarray, noise: tuple[np.ndarray, np.ndarray]
 
 def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run,
                        shared: SharedNoise | None = None) -> dict[str, np.ndarray]:
-    """`BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring.
+    """`contract.BAND_COLUMNS` -> [R] arrays for each row of `run`; see the module docstring.
 
     With `shared` (`shared_noise`: `run` trains on the curves' seed and data order) each row also
     borrows what those runs share at its step; the band keeps its width (`SharedNoise` says why).
@@ -327,7 +327,7 @@ def predict_with_bands(law: CurveLaw, bootstrap: CurveBootstrap, run: Run,
     bands = {k: np.maximum(q, 0.0) for k, q in zip(_QUANTILES, quantiles)}
     unknown = np.isnan(centres).any(0)  # rows before any tokens: the law has no value there
     return {"loss_pred": curve_loss(law, run) + borrowed,
-            **{k: np.where(unknown, np.nan, bands[k]) for k in BAND_COLUMNS[1:]}}
+            **{k: np.where(unknown, np.nan, bands[k]) for k in INTERVAL_COLUMNS}}
 
 
 def score(bands: dict[str, np.ndarray], run: Run) -> dict:

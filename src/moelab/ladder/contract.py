@@ -13,8 +13,13 @@ end of warmup and at each schedule break (or at every logged step). Extra column
 carried into PRED.csv. A band value is "nan" where the law says nothing (no tokens trained yet).
 
 Beside PRED.csv lies its sidecar, PRED.json (`sidecar_path`): the fit's summary (`predict.fit_curves`),
-whose `noise` the on-track watcher and the reproduction check read back. Each file is written whole
-(`moelab.files`): a reader finds the old one or the new one, never half of either.
+whose `noise` the on-track watcher and whose `self_check` the report read back. Each file is written
+whole (`moelab.files`): a reader finds the old one or the new one, never half of either.
+
+This module owns the prediction: its file name (`PREDICTION`, what `moelab ladder run` writes and what a
+run watched against it keeps a copy under, `keep_copy`), its columns, and its readers: `load_prediction`
+(the rows), `read_band` (the band a page draws), `read_sidecar` and `self_check`. Nothing else parses
+these files.
 """
 
 from __future__ import annotations
@@ -22,19 +27,27 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from moelab.errors import DataError
-from moelab.files import atomic_open, write_text
+from moelab.files import atomic_open, atomic_path, write_text
 from moelab.ladder.curve import Run
 
 __all__ = [
+    "PREDICTION",
     "CURVE_COLUMNS",
     "TARGET_COLUMNS",
+    "INTERVAL_COLUMNS",
     "BAND_COLUMNS",
+    "BAND_SERIES",
+    "read_band",
+    "read_sidecar",
+    "self_check",
+    "keep_copy",
     "read_curves",
     "read_target",
     "TargetTable",
@@ -47,7 +60,10 @@ __all__ = [
 
 CURVE_COLUMNS = ("run", "params", "step", "tokens", "lr", "loss")
 TARGET_COLUMNS = ("run", "params", "step", "tokens", "lr")
-BAND_COLUMNS = ("loss_pred", "lo80", "hi80", "lo95", "hi95")
+INTERVAL_COLUMNS = ("lo80", "hi80", "lo95", "hi95")
+BAND_COLUMNS = ("loss_pred", *INTERVAL_COLUMNS)
+BAND_SERIES = ("step", *BAND_COLUMNS)  # what a plot of the band reads, by `read_band`
+PREDICTION = "prediction.csv"  # a ladder run's PRED.csv, and the copy a run watched against it keeps
 
 
 def _load(path: str | Path, columns: Sequence[str], what: str) -> tuple[list[str], list[tuple[int, dict]]]:
@@ -172,6 +188,53 @@ def load_prediction(path: str | Path) -> list[dict]:
 def sidecar_path(pred_path: str | Path) -> Path:
     """PRED.csv's sidecar JSON (the fit summary, the noise and the self-check): PRED.json beside it."""
     return Path(pred_path).with_suffix(".json")
+
+
+def read_band(path: str | Path) -> dict[str, list[float]]:
+    """`BAND_SERIES` -> one value per row of PRED.csv: the predicted band a page draws. DataError when the
+    file is not a prediction or holds no rows."""
+    rows = load_prediction(path)
+    if not rows:
+        raise DataError(f"prediction file {path} holds no rows; refit with `moelab ladder fit`.")
+    return {c: [float(r[c]) for r in rows] for c in BAND_SERIES}
+
+
+def read_sidecar(pred_path: str | Path) -> dict | None:
+    """PRED.csv's sidecar as written by `write_prediction`; None when there is none, DataError naming the file
+    when it is not that JSON object."""
+    path = sidecar_path(pred_path)
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path} is not the sidecar `moelab ladder fit` writes ({err}); delete it or refit.") from None
+    if not isinstance(summary, dict):
+        raise DataError(f"{path} is not the sidecar `moelab ladder fit` writes (not a JSON object); delete it or refit.")
+    return summary
+
+
+def self_check(pred_path: str | Path) -> dict | None:
+    """The fit's leave-largest-out self-check from PRED.csv's sidecar; None when the sidecar or the check is
+    missing or unreadable (a page then says nothing about trust rather than failing)."""
+    try:
+        summary = read_sidecar(pred_path)
+    except DataError:
+        return None
+    check = (summary or {}).get("self_check")
+    return check if isinstance(check, dict) else None
+
+
+def keep_copy(pred_path: str | Path, run_dir: str | Path) -> Path:
+    """Copy PRED.csv and its sidecar into `run_dir` as `PREDICTION` (each written whole), the name every reader
+    of a run's prediction looks up; returns the copy's path. A file already there is the copy itself."""
+    source, copy = Path(pred_path), Path(run_dir) / PREDICTION
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    for src, dst in ((source, copy), (sidecar_path(source), sidecar_path(copy))):
+        if src.is_file() and src.resolve() != dst.resolve():
+            with atomic_path(dst) as tmp:
+                shutil.copyfile(src, tmp)
+    return copy
 
 
 def size_scale_of(noise: dict) -> tuple[float, float]:

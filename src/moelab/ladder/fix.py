@@ -38,7 +38,7 @@ from scipy import special
 from moelab.config import PhaseConfig, read_yaml
 from moelab.errors import ConfigError
 from moelab.files import write_text
-from moelab.ladder.contract import sidecar_path
+from moelab.ladder.contract import PREDICTION, read_sidecar, sidecar_path
 from moelab.ladder.rungs import MIN_RUNG_STEPS, LadderRecipe, data_epochs, train_sizes
 from moelab.presets import make_rung
 
@@ -87,11 +87,10 @@ def write_fixed_recipe(path: Path, recipe: LadderRecipe, out: Path,
     """
     noise = None
     if runs is not None:
-        sidecar = sidecar_path(runs / "prediction.csv")
-        if not sidecar.is_file():
-            raise ConfigError(f"--runs {runs}: {sidecar} does not exist; give the --out folder of a finished "
-                              "`moelab ladder run` of this recipe.")
-        noise = json.loads(sidecar.read_text())
+        noise = read_sidecar(runs / PREDICTION)
+        if noise is None:
+            raise ConfigError(f"--runs {runs}: {sidecar_path(runs / PREDICTION)} does not exist; give the --out folder "
+                              "of a finished `moelab ladder run` of this recipe.")
     fixed, changes = fix_recipe(recipe, train_sizes(recipe.target), noise)
     lines = [f"# {path} with its `moelab ladder plan` warnings resolved by `--fix`:"]
     lines += [f"# - {c.field}: {c.before} -> {c.after}: {c.why}." for c in changes] or ["# - nothing to change."]

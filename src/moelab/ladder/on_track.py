@@ -10,7 +10,6 @@ forecast of the final loss (`forecast`).
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from moelab.accounting import count_params
 from moelab.config import RunConfig
 from moelab.errors import DataError
 from moelab.ladder.bands import PROGRESS_EDGES, checkpoint_scale
-from moelab.ladder.contract import load_prediction, sidecar_path, size_scale_of
+from moelab.ladder.contract import load_prediction, read_sidecar, sidecar_path, size_scale_of
 from moelab.ladder.curve import Run, past_warmup
 from moelab.ladder.fit import noise_scale
 from moelab.ladder.forecast import ForecastFinal
@@ -136,10 +135,10 @@ class OnTrack:
 
 def load_on_track(path: str | Path) -> OnTrack:
     """The on-track watcher of PRED.csv's run (its only one), with the fit's noise from its sidecar if present."""
-    sidecar, checkpoint_sd, rows = sidecar_path(path), None, load_prediction(path)
-    if sidecar.is_file():
+    summary, checkpoint_sd, rows = read_sidecar(path), None, load_prediction(path)
+    if summary is not None:
         try:
-            noise = json.loads(sidecar.read_text())["noise"]
+            noise = summary["noise"]
             exponent, ref = size_scale_of(noise)  # the noise at the predicted run's size
             params = rows[0]["params"]  # OnTrack refuses params <= 0 by name
             checkpoint_sd = float(noise["checkpoint_sd"]) * (noise_scale(params, exponent, ref) if params > 0 else 1.0)
@@ -150,8 +149,8 @@ def load_on_track(path: str | Path) -> OnTrack:
                 tokens = np.array([r["tokens"] for r in rows if r["run"] == rows[0]["run"]])
                 checkpoint_sd = checkpoint_sd * checkpoint_scale(tokens / tokens[-1], profile)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise DataError(f"{sidecar} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it or "
-                            "refit to rewrite it.") from None
+            raise DataError(f"{sidecar_path(path)} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it "
+                            "or refit to rewrite it.") from None
     try:
         return OnTrack(rows, source=str(path), checkpoint_sd=checkpoint_sd)
     except DataError as err:  # the rows' own checks name the run and step; the reader names the file

@@ -32,6 +32,7 @@ from moelab.accounting import count_params
 from moelab.config import RunConfig, dump_yaml
 from moelab.errors import DataError
 from moelab.ladder import NUM_BOOTSTRAP
+from moelab.ladder.contract import PREDICTION
 from moelab.ladder.predict import fit_curves
 from moelab.ladder.rungs import LadderRecipe, check_monotone, rung_flags, rungs_of, train_sizes
 from moelab.ladder.task import predict_task
@@ -108,7 +109,7 @@ def fit_and_predict(rungs: list[tuple[RunConfig, Path]], target: RunConfig, out:
     write_csv(out / "target.csv", target_rows(target))
     (out / "target.yaml").write_text(dump_yaml(target))  # the run the prediction is for, ready to train
     flags = rung_flags([cfg for cfg, _ in rungs], target, train_sizes(target))
-    return fit_curves(out / "curves.csv", out / "target.csv", out / "prediction.csv", num_bootstrap=num_bootstrap,
+    return fit_curves(out / "curves.csv", out / "target.csv", out / PREDICTION, num_bootstrap=num_bootstrap,
                       exclude=flags, progress=progress)
 
 

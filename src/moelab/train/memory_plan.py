@@ -48,7 +48,7 @@ from moelab.errors import ConfigError
 from moelab.model import grouped_matmul, transformer
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
-from moelab.train.state import init_state, make_optimizer
+from moelab.train.state import init_state
 
 __all__ = ["Links", "Plan", "plan", "parse_bytes", "state_bytes", "activation_bytes", "communication", "collective_bytes",
            "compile_step", "compiled_figures", "compile_in_subprocess"]
