@@ -161,3 +161,25 @@ def wait_for(path, proc, timeout: float = 240) -> None:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else "process ended early"
         assert time.time() < deadline, f"{path} never appeared"
         time.sleep(0.02)
+
+
+def apply_on_one_device(params, tokens, cfg, router_bias, compute_dtype=None, **kwargs):
+    """`transformer.apply` with `cfg.moe.dispatch`'s single-device backend, the dispatch the model now requires."""
+    import jax.numpy as jnp
+
+    from moelab.model import transformer
+    from moelab.model.dispatch import single_device
+
+    return transformer.apply(params, tokens, cfg, router_bias, compute_dtype or jnp.float32,
+                             dispatch=single_device(cfg.moe), **kwargs)
+
+
+def loss_on_one_device(params, tokens, cfg, router_bias, compute_dtype=None, **kwargs):
+    """`transformer.loss` with `cfg.moe.dispatch`'s single-device backend (see `apply_on_one_device`)."""
+    import jax.numpy as jnp
+
+    from moelab.model import transformer
+    from moelab.model.dispatch import single_device
+
+    return transformer.loss(params, tokens, cfg, router_bias, compute_dtype or jnp.float32,
+                            dispatch=single_device(cfg.moe), **kwargs)

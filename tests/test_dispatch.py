@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, loss_on_one_device, relative_error
 from moelab.config import ModelConfig, MoEConfig
 from moelab.errors import ConfigError
 from moelab.model import dispatch as dispatch_lib
@@ -98,7 +98,7 @@ def test_backend_matches_dense_in_loss_and_every_parameter_gradient(backend, rou
     tokens = jax.random.randint(k_tokens, (B, S + 1), 0, cfg.vocab_size)
     # A non-zero bias, so selection differs from plain top-k of the scores in every backend alike.
     bias = 0.05 * jax.random.normal(k_bias, (cfg.num_layers, E))
-    grad_fn = jax.value_and_grad(transformer.loss, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_on_one_device, has_aux=True)
     with jax.disable_jit():
         (loss, aux), grads = grad_fn(params, tokens, cfg, bias)
         (ref_loss, ref_aux), ref_grads = grad_fn(params, tokens, _with_backend(cfg, "dense"), bias)
@@ -375,3 +375,23 @@ def test_dropless_on_a_gpu_is_refused_naming_grouped(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ConfigError, match="model.moe.dispatch=grouped"):
         make_dispatch(cfg)
+
+
+def test_the_model_requires_its_dispatch_and_decoding_runs_without_drops():
+    """One dispatch path (issue 50): `transformer.apply` / `loss` pick no backend behind the caller's back, and
+    `no_drops` is "this config, no token dropped", whatever the training backend (on CPU, `dropless`)."""
+    cfg = ModelConfig(vocab_size=40, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, seq_len=8,
+                      moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, dispatch="ep"))
+    params = transformer.init(cfg, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(TypeError, match="dispatch"):
+        transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg))
+    assert dispatch_lib.no_drops(cfg.moe).__name__ == "dropless"
+    _, aux = transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg),
+                               dispatch=dispatch_lib.no_drops(cfg.moe))
+    assert float(aux["drop_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("transport, expected", [(None, 1.15), (2.0, 2.0)])
+def test_the_transport_factor_is_resolved_once_on_the_config(transport, expected):
+    assert MoEConfig(capacity_factor=1.15, transport_capacity_factor=transport).transport_factor == expected

@@ -12,8 +12,10 @@ import numpy as np
 import optax
 import pytest
 
+from helpers import apply_on_one_device, loss_on_one_device
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model import transformer
+from moelab.model.dispatch import single_device
 from moelab.model.router import route
 
 B, S = 2, 8
@@ -40,9 +42,9 @@ CFG = ModelConfig(
 
 # One jitted function per (cfg, dtype): tests that share CFG share its compilation.
 loss_and_grad = jax.jit(
-    jax.value_and_grad(transformer.loss, has_aux=True), static_argnames=("cfg", "compute_dtype")
+    jax.value_and_grad(loss_on_one_device, has_aux=True), static_argnames=("cfg", "compute_dtype")
 )
-forward = jax.jit(transformer.apply, static_argnames=("cfg", "compute_dtype"))
+forward = jax.jit(apply_on_one_device, static_argnames=("cfg", "compute_dtype"))
 
 
 def _with_moe(cfg: ModelConfig, **changes) -> ModelConfig:
@@ -172,7 +174,7 @@ def test_bfloat16_compute_is_close_to_float32():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads16))  # params stay float32
     # bfloat16 keeps 8 mantissa bits (~0.4% per rounding); the loss averages many of them.
     assert abs(float(loss16) - float(loss32)) / float(loss32) < 1e-2
-    logits16, _ = jax.eval_shape(functools.partial(transformer.apply, cfg=CFG, compute_dtype=jnp.bfloat16),
+    logits16, _ = jax.eval_shape(functools.partial(apply_on_one_device, cfg=CFG, compute_dtype=jnp.bfloat16),
                                  params, tokens[:, :-1], router_bias=bias)
     assert logits16.dtype == jnp.float32
 
@@ -223,7 +225,8 @@ def test_a_bias_that_keeps_the_selection_changes_neither_loss_nor_gradients():
 def test_router_bias_receives_no_gradient():
     params = transformer.init(CFG, jax.random.key(0))
     bias = 0.1 * jax.random.normal(jax.random.key(5), (CFG.num_layers, CFG.moe.num_experts))
-    grad_bias = jax.jit(jax.grad(lambda b: transformer.loss(params, _tokens(jax.random.key(1)), CFG, b)[0]))(bias)
+    grad_bias = jax.jit(jax.grad(lambda b: transformer.loss(params, _tokens(jax.random.key(1)), CFG, b,
+                                                          dispatch=single_device(CFG.moe))[0]))(bias)
     np.testing.assert_array_equal(grad_bias, 0.0)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import loss_on_one_device
 from moelab.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
 from moelab.errors import ConfigError
 from moelab.model import moe, router, transformer
@@ -45,8 +46,8 @@ def _run_cfg(balancing: str) -> RunConfig:
     return RunConfig(model=model, train=TrainConfig(batch_size=B, steps=10, warmup_steps=0, lr=1e-2))
 
 
-loss_and_grad = jax.jit(jax.value_and_grad(transformer.loss, has_aux=True), static_argnums=2)
-loss_and_grad_rebalanced = jax.jit(jax.value_and_grad(functools.partial(transformer.loss, rebalance=True), has_aux=True),
+loss_and_grad = jax.jit(jax.value_and_grad(loss_on_one_device, has_aux=True), static_argnums=2)
+loss_and_grad_rebalanced = jax.jit(jax.value_and_grad(functools.partial(loss_on_one_device, rebalance=True), has_aux=True),
                                    static_argnums=2)
 
 

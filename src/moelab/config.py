@@ -182,6 +182,11 @@ class MoEConfig:
     def shared_dim(self) -> int:
         return self.shared_expert_dim if self.shared_expert_dim is not None else self.expert_dim
 
+    @property
+    def transport_factor(self) -> float:
+        """`ep`'s sender pool factor, resolved once: `transport_capacity_factor`, or `capacity_factor` when None."""
+        return self.transport_capacity_factor if self.transport_capacity_factor is not None else self.capacity_factor
+
 
 @dataclass(frozen=True)
 class ModelConfig:

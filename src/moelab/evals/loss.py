@@ -18,7 +18,6 @@ routed experts run `dropless` (no token dropped, whatever the training dispatch)
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -31,7 +30,7 @@ from moelab.config import DataConfig, ModelConfig
 from moelab.data.sources import iter_documents
 from moelab.errors import DataError
 from moelab.model import transformer
-from moelab.parallel.ep import make_dispatch
+from moelab.model.dispatch import no_drops
 
 __all__ = ["DomainScore", "domain_documents", "token_stream", "windows", "make_token_losses", "make_token_scores",
            "evaluate_documents"]
@@ -76,7 +75,7 @@ def windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 def make_token_losses(cfg: ModelConfig) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """A jitted `losses(params, router_bias, tokens [B, S+1]) -> [B, S]`: each target's cross-entropy in nats,
     with the routed experts `dropless`."""
-    dispatch = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
+    dispatch = no_drops(cfg.moe)
 
     def losses(params, router_bias, tokens):
         logits, _ = transformer.apply(params, tokens[:, :-1], cfg, router_bias, dispatch=dispatch)
@@ -91,7 +90,7 @@ def make_token_scores(cfg: ModelConfig, vocab_size: int) -> Callable[[Any, jax.A
     logits past the tokenizer's `vocab_size` masked out (a padded vocabulary must not win a greedy pick);
     the routed experts `dropless`. What task scoring needs: a continuation's loss and whether greedy
     decoding would write it."""
-    dispatch = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
+    dispatch = no_drops(cfg.moe)
 
     def scores(params, router_bias, tokens):
         logits, _ = transformer.apply(params, tokens[:, :-1], cfg, router_bias, dispatch=dispatch)

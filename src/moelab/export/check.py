@@ -23,7 +23,6 @@ The comparisons, so that nobody has to write them:
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import numpy as np
 
 from moelab.errors import DataError
 from moelab.model import decode, transformer
+from moelab.model.dispatch import no_drops
 
 __all__ = ["TOLERANCE", "CHECK_BATCH", "CHECK_LEN", "GREEDY_PROMPT", "GREEDY_NEW_TOKENS", "check_export",
            "moelab_logits", "exported_params"]
@@ -60,8 +60,8 @@ def exported_params(params: dict, dtype: str) -> dict:
 def moelab_logits(run: Any, tokens: np.ndarray) -> np.ndarray:
     """moelab's float32 logits [B, S, V] of `tokens` [B, S] under the `dropless` dispatch (no token dropped)."""
     cfg = run.cfg.model
-    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="dropless"))
-    logits, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), cfg, run.router_bias)
+    logits, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), cfg, run.router_bias,
+                                  dispatch=no_drops(cfg.moe))
     return np.asarray(logits)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from moelab.config import ModelConfig
 from moelab.errors import DataError
 from moelab.model import moe, transformer
-from moelab.model.dispatch import single_device
+from moelab.model.dispatch import no_drops, single_device
 from moelab.model.layers import rms_norm
 
 __all__ = ["sample_prompts", "make_greedy_decode", "generate_samples", "PROMPT_TOKENS", "CONTINUATION_TOKENS",
@@ -64,6 +64,7 @@ def make_greedy_decode(cfg: ModelConfig, prompt_len: int, vocab_size: int, compu
     """
     if cfg.moe.dispatch == "ep":
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="capacity"))
+    dispatch = single_device(cfg.moe)
     seq_len = cfg.seq_len
     num_new = max(0, min(CONTINUATION_TOKENS, seq_len - prompt_len))
     valid = jnp.arange(cfg.vocab_size) < vocab_size
@@ -73,7 +74,7 @@ def make_greedy_decode(cfg: ModelConfig, prompt_len: int, vocab_size: int, compu
         buf = jnp.zeros((n, seq_len), jnp.int32).at[:, :prompt_len].set(prompts)
 
         def body(i, buf):
-            logits, _ = transformer.apply(params, buf, cfg, router_bias, compute_dtype)
+            logits, _ = transformer.apply(params, buf, cfg, router_bias, compute_dtype, dispatch=dispatch)
             last = jax.lax.dynamic_index_in_dim(logits, prompt_len + i - 1, axis=1, keepdims=False)  # [N, V]
             token = jnp.argmax(jnp.where(valid, last, -jnp.inf), axis=-1).astype(jnp.int32)
             return jax.lax.dynamic_update_index_in_dim(buf, token[:, None], prompt_len + i, axis=1)
@@ -175,7 +176,7 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
     Returns:
         logits [B, T, V] float32 and the cache grown by T.
     """
-    dispatch = single_device(dataclasses.replace(cfg.moe, dispatch="dropless"))
+    dispatch = no_drops(cfg.moe)
     start = cache.length
 
     def block(x, layer_bias_kv):

@@ -19,14 +19,15 @@ Rows move with `moelab.model.rows.take_rows`, a gather whose gradient is also a 
 injective with a known inverse), so no backward pass pays for a float scatter-add.
 
 `moelab.parallel.ep.make_dispatch(cfg, mesh)` is the one entry point that builds the callable
-`moelab.model.moe.apply` runs, `dispatch(h, routing, experts) -> (out, stats)`, for any backend: the
-expert-parallel one needs a mesh, so it lives a layer up. `single_device(cfg)` here binds a
-single-device backend's settings (capacity_factor); outside this layer only `make_dispatch` calls it,
-inside it decoding and `transformer.apply`'s default do (they cannot see `parallel/`).
+`moelab.model.moe.apply` runs for training, `dispatch(h, routing, experts) -> (out, stats)`, for any
+backend: the expert-parallel one needs a mesh, so it lives a layer up. `single_device(cfg)` here binds
+a single-device backend's settings (capacity_factor); `no_drops(cfg)` is "this config, no token
+dropped", what decoding and evaluation run. The model itself never picks a dispatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
 __all__ = ["BACKENDS", "EXPERT_MATMUL", "Dispatch", "single_device", "dense", "capacity", "dropless", "grouped",
-           "expert_capacity", "grouped_swiglu", "swiglu_buffers"]
+           "no_drops", "expert_capacity", "grouped_swiglu", "swiglu_buffers"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
 
@@ -289,3 +290,12 @@ def single_device(cfg: MoEConfig) -> Dispatch:
             f"moelab.parallel.ep.make_dispatch(cfg, mesh) and pass it as dispatch=..., or use one of {', '.join(BACKENDS)}."
         )
     return backends[cfg.dispatch]
+
+
+def no_drops(cfg: MoEConfig) -> Dispatch:
+    """`cfg`'s routed experts with no token dropped, on one device: what decoding and evaluation run, whatever
+    the training dispatch (a capacity sized for a training batch would drop tokens of a short prompt, and
+    `ep` needs a mesh). `dropless` here; `grouped`, the same function, on a GPU, where `dropless` does not run.
+    """
+    backend = "grouped" if jax.default_backend() == "gpu" else "dropless"
+    return single_device(dataclasses.replace(cfg, dispatch=backend))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import moe
-from moelab.model.dispatch import EXPERT_MATMUL, Dispatch, single_device
+from moelab.model.dispatch import EXPERT_MATMUL, Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
 
 __all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "causal_attention", "apply_rope"]
@@ -235,7 +235,7 @@ def apply(
     router_bias: jax.Array,
     compute_dtype: jnp.dtype = jnp.float32,
     *,
-    dispatch: Dispatch | None = None,
+    dispatch: Dispatch,
     gather: Gather | None = None,
     rebalance: bool | jax.Array = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -247,9 +247,9 @@ def apply(
         cfg: the model config.
         router_bias: [L, E] from `init_router_bias` or a balancing rule.
         compute_dtype: jnp.float32 or jnp.bfloat16, for the matmuls only.
-        dispatch: the routed experts' backend (`moe.apply`), from `moelab.parallel.ep.make_dispatch`;
-            None: `moelab.model.dispatch.single_device(cfg.moe)`, the single-device backend
-            `cfg.moe.dispatch` names (a ValueError for `ep`, which needs a mesh).
+        dispatch: the routed experts' backend (`moe.apply`): `moelab.parallel.ep.make_dispatch(cfg.moe, mesh)`
+            for training, `moelab.model.dispatch.no_drops(cfg.moe)` for decoding and evaluation. The model
+            never picks one behind its caller's back.
         gather: applied to each layer's params where the layer runs (`Gather`); None under layouts
             that keep the non-expert params whole.
         rebalance: [] bool: every MoE layer routes under the bias solved on this batch (`moe.apply`);
@@ -263,7 +263,7 @@ def apply(
         all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
-    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch or single_device(cfg.moe), gather, rebalance), cfg.remat)
+    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch, gather, rebalance), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = lm_head(x, params["lm_head"].astype(compute_dtype))
@@ -291,7 +291,7 @@ def loss(
     router_bias: jax.Array,
     compute_dtype: jnp.dtype = jnp.float32,
     *,
-    dispatch: Dispatch | None = None,
+    dispatch: Dispatch,
     gather: Gather | None = None,
     rebalance: bool | jax.Array = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:

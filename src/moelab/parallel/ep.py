@@ -268,6 +268,5 @@ def make_dispatch(cfg: MoEConfig, mesh: Mesh | None = None) -> Dispatch:
         return dispatch_lib.single_device(cfg)
     if mesh is None:
         raise ValueError("model.moe.dispatch='ep' needs the ('replica', 'expert') mesh to run on: pass mesh=...")
-    transport = cfg.transport_capacity_factor if cfg.transport_capacity_factor is not None else cfg.capacity_factor
     return functools.partial(dispatch, mesh=mesh, capacity_factor=cfg.capacity_factor,
-                             transport_capacity_factor=transport, num_waves=cfg.num_waves)
+                             transport_capacity_factor=cfg.transport_factor, num_waves=cfg.num_waves)

@@ -46,6 +46,7 @@ import numpy as np
 from moelab.config import RunConfig, from_dict, to_dict
 from moelab.errors import ConfigError
 from moelab.model import grouped_matmul, transformer
+from moelab.model.dispatch import single_device
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.state import init_state
@@ -309,9 +310,10 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
                               vocab_size=m.vocab_size, experts_split=cfg.mesh.expert)
 
     def block(p, t, m, b):
-        return transformer.apply(p, t, m, b, dtype)[0].sum()
+        return transformer.apply(p, t, m, b, dtype, dispatch=single_device(m.moe))[0].sum()
 
-    saved = residuals(model, model.seq_len + 1, lambda p, t, m, b: transformer.loss(p, t, m, b, dtype)[0])
+    saved = residuals(model, model.seq_len + 1,
+                      lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=single_device(m.moe))[0])
     one = replace(model, num_layers=1, remat="none")
     recomputed = 0
     if model.remat != "none":
@@ -377,7 +379,7 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
            "all_reduce_in_rack": 0.0, "all_reduce_across_racks": 0.0}
     if moe.dispatch == "ep" and X > 1:
         W = moe.num_waves
-        P = ep.pool_size(tokens, k, X, E // X, W, moe.transport_capacity_factor or moe.capacity_factor)
+        P = ep.pool_size(tokens, k, X, E // X, W, moe.transport_factor)
         itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize
         rows = (3 if remat else 2) * 2 * X * P * model.expert_input_dim * itemsize
         ids = (2 if remat else 1) * X * P * 4
