@@ -72,7 +72,8 @@ def shrink(cfg: RunConfig) -> RunConfig:
     m = cfg.model
     moe = replace(m.moe, num_experts=8, num_experts_per_token=2, expert_dim=32,
                   shared_expert_dim=None if m.moe.shared_expert_dim is None else 32,
-                  latent_dim=None if m.moe.latent_dim is None else 32, hist_bins=16)
+                  latent_dim=None if m.moe.latent_dim is None else 32,
+                  hist_bins=16 if m.moe.balancing == "hist" else m.moe.hist_bins)
     model = replace(m, vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16,
                     seq_len=32, moe=moe)
     return replace(cfg, model=model, train=replace(cfg.train, batch_size=4))

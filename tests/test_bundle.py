@@ -600,6 +600,15 @@ def _edit_report_section(section, how):
     return edit
 
 
+def _restate_router(folder):
+    """The router's stated capacity factor (a key/value row) edited and re-rendered: caught against config.yaml."""
+    def change(document):
+        table = next(p for p in _parts(document, "router") if p["kind"] == "table" and "keys" in p)
+        table["rows"][table["keys"].index("capacity_factor")][1] = "9.99"
+    _restate_report(folder, change)
+    return "report/report.json: the router table does not state"
+
+
 def _restate_observed(folder):
     def change(document):
         next(p for p in _parts(document, "hypothesis") if p["kind"] == "table")["rows"][0][3] = "3.21"
@@ -645,6 +654,7 @@ def _edit_json(name, key):
     pytest.param(_edit_report_section("samples", "row"), id="report-samples"),
     pytest.param(_edit_report_section("amendments", "insert"), id="report-amendments"),
     pytest.param(_restate_observed, id="report-observed-value"),
+    pytest.param(_restate_router, id="report-router-settings"),
     pytest.param(_restate_head, id="report-ledger-head"),
     pytest.param(_swap_figure, id="report-figure"),
 ])

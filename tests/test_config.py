@@ -304,3 +304,14 @@ def test_a_preset_takes_your_own_domains_by_set_or_a_data_yaml_without_its_embed
     with pytest.raises(ConfigError, match=r"data.phases\[a\].weights"):
         presets.resolve("tiny", {"data.domains": mine, "data.phases": [{"name": "a", "fraction": 1.0,
                                                                          "weights": {"code": 1}}]})
+
+
+@pytest.mark.parametrize("balancing, knob, value", [
+    ("sign", "hist_bins", 64), ("none", "sign_gamma", 0.5), ("hist", "aux_loss_weight", 0.1),
+    ("aux", "balance_rate", 0.5), ("exact", "hist_bins", 16),
+])
+def test_a_knob_of_another_balancer_is_refused_naming_it(balancing, knob, value):
+    """Issue 50: a balancer knob its rule does not read was silently ignored; now it names the field and the rule."""
+    with pytest.raises(ConfigError, match=rf"model.moe.{knob}=.*only balancing .* reads it.*uses balancing '{balancing}'"):
+        MoEConfig(balancing=balancing, num_experts=8, num_experts_per_token=2, **{knob: value})
+    MoEConfig(balancing=balancing, **{knob: MoEConfig.__dataclass_fields__[knob].default})  # the default is fine

@@ -195,6 +195,34 @@ def test_report_sections_and_confirmed_verdict(lab, tmp_path, monkeypatch, capsy
     assert stdout.strip().endswith("report/report.html")
 
 
+def test_the_router_section_states_the_routing_the_run_used_and_its_drops_per_phase(lab, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Issue 50: the seed's mechanisms (capacity factor, waves, the balancer and its knobs) and the tokens they
+    dropped are on the report, as stated tables: read from the run's config.yaml and metrics."""
+    ledger, _, root = lab
+    out = tmp_path / "rep"
+    code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(out)], monkeypatch, capsys)
+    assert code == 0, err
+    run_dir = next((root / "rep-tiny").glob("train-*"))
+    moe = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["moe"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    router = next(s for s in json.loads((out / "report.json").read_text())["sections"] if s["id"] == "router")
+    settings, drops = [p for p in router["parts"] if p["kind"] == "table"]
+    stated = dict(zip(settings["keys"], (row[1] for row in settings["rows"])))
+    assert stated["dispatch"] == moe["dispatch"] and stated["balancing"] == moe["balancing"]
+    assert float(stated["capacity_factor"]) == moe["capacity_factor"]
+    assert set(stated) - {"dispatch", "experts", "capacity_factor", "balancing"} == set(
+        __import__("moelab.config", fromlist=["BALANCER_KNOBS"]).BALANCER_KNOBS[moe["balancing"]])
+    by_phase = {}
+    for m in metrics:
+        if "drop_fraction" in m:
+            by_phase.setdefault(m["phase"], []).append(m["drop_fraction"])
+    assert len(by_phase) == 2  # the 80/20 pre- and mid-training phases
+    assert [row[:2] for row in drops["rows"]] == [[phase, str(len(v))] for phase, v in by_phase.items()]
+    for row, logged in zip(drops["rows"], by_phase.values()):
+        assert float(row[2]) == pytest.approx(sum(logged) / len(logged), rel=1e-3, abs=1e-6)  # printed to 4 digits
+
+
 def test_the_report_names_the_ledger_head_and_record_count_that_verify_head_checks_later(lab, tmp_path, monkeypatch,
                                                                                         capsys):
     """A reader who kept the report can tell when the ledger was cut short, which the chain alone cannot."""

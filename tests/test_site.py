@@ -128,8 +128,10 @@ def test_a_page_holds_the_registered_spec_amendments_runs_against_the_band_steps
     _, _, site, _, _ = lab
     page = _page(site, "s-confirmed")
     for heading in ("Question", "Hypothesis and prediction", "Spec as registered", "Amendments (0)", "Runs", "Steps",
-                    "Bundle", "Incidents (", "Data-mixture log ("):
+                    "Bundle", "Router", "Incidents (", "Data-mixture log ("):
         assert heading in page, heading
+    # What the router did (issue 50): the main run's settings from its config.yaml, and its drops per phase.
+    assert "capacity factor" in page and "balancing rule" in page and "dropped fraction (mean)" in page
     assert page.count("<svg") == 3 and "pre-registered high edge" in page  # the metric, the domains, train loss
     bundle = re.search(r'<a href="\.\./(bundles/s-confirmed-r\d+\.tar\.gz)">', page).group(1)
     with open_bundle(site / bundle) as folder:

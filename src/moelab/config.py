@@ -90,6 +90,11 @@ def _finite_floats(cfg: Any, prefix: str) -> None:
 DISPATCH_BACKENDS = ("dense", "capacity", "dropless", "grouped", "ep")
 ROUTER_SCORES = ("sigmoid", "softmax")
 BALANCERS = ("none", "exact", "hist", "sign", "aux")
+# The knobs of MoEConfig each balancing rule reads. One set away from its default under a rule that does not
+# read it is refused, naming it: it would be silently ignored, and a run would not be the one its config says.
+BALANCER_KNOBS = {"none": (), "exact": ("balance_rate", "rebalance_steps", "rebalance_iterations"),
+                  "hist": ("balance_rate", "hist_bins", "rebalance_steps", "rebalance_iterations"),
+                  "sign": ("sign_gamma",), "aux": ("aux_loss_weight",)}
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "dots", "full")  # what a block saves for the backward pass (`transformer._remat`)
 
@@ -169,6 +174,12 @@ class MoEConfig:
                    f"(not {self.balancing!r}); or set it to 0")
         _check(self.sign_gamma > 0, p + "sign_gamma", self.sign_gamma, "must be > 0")
         _check(self.aux_loss_weight >= 0, p + "aux_loss_weight", self.aux_loss_weight, "must be >= 0")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for knob in sorted({k for knobs in BALANCER_KNOBS.values() for k in knobs} - set(self.balancer_settings)):
+            readers = " or ".join(repr(rule) for rule, knobs in BALANCER_KNOBS.items() if knob in knobs)
+            _check(getattr(self, knob) == defaults[knob], p + knob, getattr(self, knob),
+                   f"only balancing {readers} reads it, and this config uses balancing {self.balancing!r}: remove it, "
+                   f"or set model.moe.balancing to {readers}")
         _positive_int(p + "num_waves", self.num_waves)
         if self.transport_capacity_factor is not None:
             _check(
@@ -181,6 +192,11 @@ class MoEConfig:
     @property
     def shared_dim(self) -> int:
         return self.shared_expert_dim if self.shared_expert_dim is not None else self.expert_dim
+
+    @property
+    def balancer_settings(self) -> dict[str, Any]:
+        """The knobs the balancing rule in use reads (`BALANCER_KNOBS`), with their values."""
+        return {knob: getattr(self, knob) for knob in BALANCER_KNOBS[self.balancing]}
 
     @property
     def transport_factor(self) -> float:

@@ -35,7 +35,7 @@ from moelab.files import sha256_file, write_bytes, write_json, write_text
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.plots import forecast_plot, line_plot, mixture_plot, router_load_heatmap
 from moelab.lab.registry import REPRODUCTION, Experiment, band_text, load_experiment, verdict
-from moelab.lab.view import RunFiles, find_run_dir, read_run, series
+from moelab.lab.view import RunFiles, drops_by_phase, find_run_dir, read_run, router_settings, series
 from moelab.ladder.contract import self_check
 from moelab.train.outputs import CONFIG, MIXTURE_LOG, ROUTER_LOAD, SAMPLES
 
@@ -45,8 +45,10 @@ __all__ = ["SECTION_IDS", "STATED", "REPORT_FORMAT", "REPORT_VERSION", "REPORT_J
 
 SECTION_IDS = ("hypothesis", "loss-curve", "per-domain-eval", "mixture", "router", "norms-incidents", "amendments",
                "samples", "reproducibility")
-STATED = ("hypothesis", "per-domain-eval", "mixture", "norms-incidents", "samples")  # tables `lab verify` recomputes
-REPORT_FORMAT, REPORT_VERSION, REPORT_JSON = "moelab-report", 1, "report.json"
+# tables `lab verify` recomputes
+STATED = ("hypothesis", "per-domain-eval", "mixture", "router", "norms-incidents", "samples")
+# Version 2: the router section states its settings and the dropped fraction per phase (issue 50).
+REPORT_FORMAT, REPORT_VERSION, REPORT_JSON = "moelab-report", 2, "report.json"
 MAX_SAMPLE_EVALS = 3  # samples shown for the first, middle and last eval that has any
 
 
@@ -214,8 +216,21 @@ def _mixture(run: RunFiles, plots: bool = True) -> Section:
     return sec
 
 
-def _router(run: RunFiles) -> Section:
-    sec = Section("router", "Router load and MaxVio")
+def _router(run: RunFiles, plots: bool = True) -> Section:
+    """What the router did: the routing it ran with, the tokens it dropped per phase, its load and MaxVio."""
+    sec = Section("router", "Router: settings, drops, load and MaxVio")
+    if run.moe is not None:
+        settings = router_settings(run.moe)
+        sec.table(["setting", "value"], [[what, value] for _, what, value in settings], keys=[k for k, _, _ in settings])
+    else:
+        sec.note(f"No router settings: {run.out / CONFIG} is absent or holds no model.moe section.")
+    drops = drops_by_phase(run.metrics)
+    if drops:
+        sec.table(["phase", "logged steps", "dropped fraction (mean)", "at the sender", "at the receiver"], drops)
+    else:
+        sec.note("The run logged no drop_fraction, so its drops per phase are unknown.")
+    if not plots:
+        return sec
     if run.router_load is not None:
         sec.img("router_load", router_load_heatmap(run.router_load, run.router_step))
     else:
@@ -357,11 +372,11 @@ def _tables(sections: list[dict]) -> dict[str, list[list[str]]]:
 
 def stated_tables(experiment: Experiment, run: RunFiles) -> dict[str, list[list[str]]]:
     """The rows the report's `STATED` tables hold for this run (no plot is drawn): the hypothesis table (observed
-    value, its step, the verdict), the per-domain evals, the data sources and mixture changes, the incidents and
-    the samples. `moelab lab verify BUNDLE` recomputes them from the bundle's files and compares them with its
+    value, its step, the verdict), the per-domain evals, the data sources and mixture changes, the router's
+    settings and drops per phase, the incidents and the samples. `moelab lab verify BUNDLE` recomputes them from the bundle's files and compares them with its
     report.json (`json_tables`)."""
     sections = [_hypothesis(experiment, run), _per_domain(run, plots=False), _mixture(run, plots=False),
-                _norms_incidents(run, plots=False), _samples(run)]
+                _router(run, plots=False), _norms_incidents(run, plots=False), _samples(run)]
     return _tables([{"id": s.id, "parts": s.parts} for s in sections])
 
 

@@ -45,7 +45,7 @@ from moelab.lab.ledger import Ledger, Record, records, verify
 from moelab.lab.plots import svg_curves
 from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
                                  TRAIN_STEP, band_text, load_experiment)
-from moelab.lab.view import ExperimentView, RunView, experiment_view, series
+from moelab.lab.view import ExperimentView, RunView, drops_by_phase, experiment_view, router_settings, series
 
 __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "build_site", "publish_site", "Built", "counted"]
 
@@ -210,6 +210,7 @@ def _run_section(run: RunView, metric: str, band: tuple | None, main: bool) -> s
         last = next(r for r in reversed(run.metrics) if any(k in r for k in evals))
         parts.append(_table(["step", *map(_e, evals)], [[_e(last["step"]), *(f"{last[k]:.4f}" if k in last else "-"
                                                                            for k in evals)]]))
+    parts.append(_router_tables(run, main))
     parts.append(f"<h4>Incidents ({len(run.incidents)})</h4>")
     parts.append(_table(["step", "rule", "module", "values"],
                         [[_e(i.get("step")), _e(i.get("rule")), _e(i.get("module")),
@@ -221,6 +222,22 @@ def _run_section(run: RunView, metric: str, band: tuple | None, main: bool) -> s
                           _e(", ".join(f"{k} {v:g}" for k, v in sorted((m.get("weights") or m.get("tokens") or {}).items())
                                        if isinstance(v, (int, float)))), _e(m.get("message"))]
                          for m in run.mixture]) if run.mixture else '<p class="note">No mixture entries.</p>')
+    return "".join(parts)
+
+
+def _router_tables(run: RunView, main: bool) -> str:
+    """What the router did: the main run's routing settings (from its config.yaml) and, for any run, the tokens
+    it dropped per phase; the same rows as the report's router section (`lab.view`)."""
+    parts = ["<h4>Router</h4>"]
+    if main and run.moe is not None:
+        parts.append(_table(["setting", "value"], [[_e(what), _e(value)] for _, what, value in router_settings(run.moe)]))
+    elif main:
+        parts.append('<p class="note">No router settings: the run\'s config.yaml was not found.</p>')
+    drops = drops_by_phase(run.metrics)
+    fraction = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    parts.append(_table(["phase", "logged steps", "dropped fraction (mean)", "at the sender", "at the receiver"],
+                        [[_e(phase), _e(n), *(fraction(v) for v in means)] for phase, n, *means in drops])
+                 if drops else '<p class="note">No drop_fraction logged.</p>')
     return "".join(parts)
 
 

@@ -13,23 +13,27 @@ ROOT or not), `series` the one metric series and `final_value` the one observed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+import yaml
 
+from moelab.config import BALANCER_KNOBS, MoEConfig
 from moelab.errors import ConfigError, DataError
 from moelab.lab.ledger import Record
 from moelab.lab.registry import (FINISHED, TRAIN_STEP, Experiment, experiment_status, resolve_run_config,
                                  verdict)
 from moelab.ladder import contract
 from moelab.ladder.rungs import recipe_from_data
-from moelab.train.outputs import DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl, read_summary
+from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG, ROUTER_LOAD, SAMPLES, read_jsonl,
+                                   read_summary)
 
 __all__ = ["series", "final_value", "locate_run_dir", "find_run_dir", "find_prediction",
-           "read_band", "RunFiles", "read_run", "experiment_verdict", "RunView", "ExperimentView", "experiment_view"]
+           "read_band", "read_moe_config", "router_settings", "drops_by_phase", "RunFiles", "read_run", "experiment_verdict", "RunView", "ExperimentView", "experiment_view"]
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` over the rows that logged it as a number."""
@@ -45,6 +49,62 @@ def final_value(metrics: list[dict], summary: dict, metric: str) -> tuple[float 
     if metric.startswith("eval/") and metric[5:] in summary.get("eval", {}):
         return float(summary["eval"][metric[5:]]), summary.get("step")
     return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# what the router did: its settings and the tokens it dropped, for the report and the site alike
+
+DROP_KEYS = ("drop_fraction", "drop_fraction_at_sender", "drop_fraction_at_receiver")
+
+
+def read_moe_config(out: Path) -> dict | None:
+    """The run's `model.moe` section as its config.yaml holds it, every field filled with MoEConfig's default
+    where the file leaves it out; None when the file is absent or unreadable (a page then says so)."""
+    try:
+        data = yaml.safe_load((out / CONFIG).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    moe = ((data or {}).get("model") or {}).get("moe") if isinstance(data, dict) else None
+    if not isinstance(moe, dict):
+        return None
+    return {f.name: moe.get(f.name, f.default) for f in dataclasses.fields(MoEConfig)}
+
+
+def router_settings(moe: dict) -> list[tuple[str, str, object]]:
+    """(key, what, value) rows of the routing the run used: backend, capacity, waves, balancer and its knobs
+    (`BALANCER_KNOBS`: only those its rule reads)."""
+    rows = [("dispatch", "dispatch backend", moe["dispatch"]),
+            ("experts", "routed experts, top-k", f"{moe['num_experts']}, top-{moe['num_experts_per_token']}"),
+            ("capacity_factor", "capacity factor", moe["capacity_factor"] if moe["dispatch"] in ("capacity", "ep")
+             else f"none ({moe['dispatch']} drops nothing)")]
+    if moe["dispatch"] == "ep":
+        transport = moe["transport_capacity_factor"]
+        rows += [("transport_factor", "transport capacity factor (sender pools)",
+                  moe["capacity_factor"] if transport is None else transport),
+                 ("num_waves", "all-to-all waves", moe["num_waves"])]
+    rows.append(("balancing", "balancing rule", moe["balancing"]))
+    for knob in BALANCER_KNOBS.get(moe["balancing"], ()):
+        value = moe[knob]
+        if knob == "balance_rate" and value is None:
+            value = f"(E - 1) / E = {(moe['num_experts'] - 1) / moe['num_experts']:.4g}"
+        rows.append((knob, knob.replace("_", " "), value))
+    return rows
+
+
+def drops_by_phase(metrics: list[dict]) -> list[list]:
+    """[phase, logged steps, mean dropped fraction, at the sender, at the receiver] per training phase, in the
+    order the run entered them: the mean over the steps its metrics logged (under `ep` drops happen at two
+    stages; elsewhere the last two are None)."""
+    phases: dict[str, list[dict]] = {}
+    for row in metrics:
+        if isinstance(row.get("drop_fraction"), (int, float)):
+            phases.setdefault(str(row.get("phase")), []).append(row)
+    table = []
+    for phase, rows in phases.items():
+        means = [float(np.mean([r[k] for r in rows])) if all(isinstance(r.get(k), (int, float)) for r in rows) else None
+                 for k in DROP_KEYS]
+        table.append([phase, len(rows), *means])
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +173,7 @@ class RunFiles:
     router_load: np.ndarray | None  # [layers, experts], the newest logged
     incidents: list[dict]  # incidents.jsonl, plus any the metrics records carry
     samples: list[dict]
+    moe: dict | None = None  # config.yaml's model.moe (`read_moe_config`)
 
     def final_value(self, metric: str) -> tuple[float | None, int | None]:
         return final_value(self.metrics, self.summary, metric)
@@ -148,7 +209,7 @@ def read_run(out: Path, record: dict) -> RunFiles:
     data = json.loads((out / DATA).read_text()) if (out / DATA).is_file() else None
     step, load = _router_load(out)
     return RunFiles(out, record, metrics, summary, prediction, band, problem, read_jsonl(out / MIXTURE_LOG), data,
-                    step, load, _incidents(out, metrics), read_jsonl(out / SAMPLES))
+                    step, load, _incidents(out, metrics), read_jsonl(out / SAMPLES), read_moe_config(out))
 
 
 def experiment_verdict(experiment: Experiment) -> tuple[str, float | None]:
@@ -172,6 +233,7 @@ class RunView:
     mixture: list[dict] = field(default_factory=list)
     band: dict[str, list[float]] | None = None  # `contract.read_band`, for the run a fit predicted
     band_problem: str | None = None  # why a prediction.csv it was watched against gives no band
+    moe: dict | None = None  # the main run's config.yaml model.moe (`read_moe_config`), when its directory is found
 
 
 @dataclass
@@ -222,6 +284,7 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
         prediction = find_prediction(where) if where is not None else None
         if prediction is not None:
             runs[main].band, runs[main].band_problem = read_band(prediction)
+        runs[main].moe = read_moe_config(where) if where is not None else None
     if status == FINISHED:
         found = verdict(experiment.spec.prediction, observed)
     ordered = sorted(runs.values(), key=lambda r: (r.name == main, r.name))  # the main run last, as it ran
