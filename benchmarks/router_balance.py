@@ -37,6 +37,7 @@ import optax
 from moelab import presets
 from moelab.config import MoEConfig
 from moelab.data.mixture import eval_batches, phase_at, sample_batch
+from moelab.model import balancing as balancing_lib
 from moelab.model import router
 from moelab.train.loop import evaluate, make_eval_step, make_train_step, prepare_corpus
 from moelab.train.state import init_state
@@ -53,7 +54,7 @@ def synthetic(balancing: str, steps: int, num_experts: int = 64, k: int = 8, num
               dim: int = 32, seed: int = 0) -> dict:
     """One rule on the drifting, skewed synthetic router; see the module docstring."""
     cfg = MoEConfig(num_experts=num_experts, num_experts_per_token=k, balancing=balancing)
-    rule = router.balancer(cfg)
+    rule = balancing_lib.balancer(cfg)
     k_teacher, k_phase, k_data, k_init = jax.random.split(jax.random.key(seed), 4)
     w_teacher = 2.0 * jax.random.normal(k_teacher, (dim, num_experts)) / np.sqrt(dim)
     skew = -3.0 * jnp.sqrt(jnp.linspace(0.0, 1.0, num_experts))  # expert 0 preferred, the tail starved

@@ -22,6 +22,7 @@ import pytest
 from helpers import loss_on_one_device
 from moelab.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
 from moelab.errors import ConfigError
+from moelab.model import balancing as balancing_lib
 from moelab.model import moe, router, transformer
 from moelab.model.dispatch import single_device
 from moelab.train.loop import _jsonable, make_eval_step, make_train_step
@@ -68,7 +69,7 @@ def _skewed_margins(key: jax.Array, num_tokens: int, num_experts: int, k: int, k
     scores = jax.nn.sigmoid(z + skew)
     bias = 0.3 * jax.random.normal(k_b, (num_experts,))
     idx = jax.lax.top_k(scores + bias, k)[1]
-    return router.selection_margins(scores, bias, idx)
+    return balancing_lib.selection_margins(scores, bias, idx)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def _skewed_margins(key: jax.Array, num_tokens: int, num_experts: int, k: int, k
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _both_estimates(margins: jax.Array, k: int, num_bins: int) -> tuple[jax.Array, jax.Array]:
-    return router.fair_share_quantile_exact(margins, k), router.fair_share_quantile_hist(margins, k, num_bins)
+    return balancing_lib.fair_share_quantile_exact(margins, k), balancing_lib.fair_share_quantile_hist(margins, k, num_bins)
 
 
 @pytest.mark.parametrize("kind", ["normal", "heavy_tailed", "discrete"])
@@ -106,13 +107,13 @@ def _sharded_hist_matches_single_device() -> None:
 
     assert jax.device_count() >= 8, jax.devices()
     margins = _skewed_margins(jax.random.key(7), 8 * 300, 16, 2, "normal")
-    hist = jax.jit(router.fair_share_quantile_hist, static_argnames=("k", "num_bins"))
+    hist = jax.jit(balancing_lib.fair_share_quantile_hist, static_argnames=("k", "num_bins"))
     single = np.asarray(hist(margins, k=2, num_bins=64))
     for shape, axes in [((8,), ("data",)), ((2, 4), ("replica", "expert"))]:
         mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Explicit,) * len(axes), devices=jax.devices()[:8])
         spec = P(axes)  # tokens over every axis
         sharded_margins = jax.device_put(margins, NamedSharding(mesh, spec))
-        fn = shard_map(functools.partial(router.fair_share_quantile_hist, k=2, num_bins=64, axis_name=axes),
+        fn = shard_map(functools.partial(balancing_lib.fair_share_quantile_hist, k=2, num_bins=64, axis_name=axes),
                        mesh=mesh, in_specs=spec, out_specs=P())
         sharded = np.asarray(jax.jit(fn)(sharded_margins))
         # Counts are integers and the range is a max: the psum'd histogram is the single-device one
@@ -169,11 +170,11 @@ def test_aux_rule_adds_the_weighted_switch_loss_of_every_layer():
 def test_switch_aux_loss_is_one_at_perfect_balance_and_larger_when_load_and_mass_coincide():
     scores = jnp.full((8, 4), 0.5)
     balanced = router.Routing(jnp.arange(8, dtype=jnp.int32).reshape(8, 1) % 4, jnp.ones((8, 1)), scores, scores)
-    assert float(router.switch_aux_loss(balanced)) == pytest.approx(1.0)
+    assert float(balancing_lib.switch_aux_loss(balanced)) == pytest.approx(1.0)
     skewed_scores = scores.at[:, 0].set(0.9)
     skewed = router.Routing(jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)), skewed_scores, skewed_scores)
     # Every token on expert 0 (f_0 = 1), which holds 0.9 / 2.4 of each token's mass: E * P_0 = 1.5.
-    assert float(router.switch_aux_loss(skewed)) == pytest.approx(1.5)
+    assert float(balancing_lib.switch_aux_loss(skewed)) == pytest.approx(1.5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ def test_bias_is_mean_zero_per_layer_after_each_update(balancing):
 @pytest.mark.parametrize("balancing", STEP_RULES)
 def test_bias_update_uses_step_t_statistics_and_applies_at_step_t_plus_1(balancing):
     cfg = _run_cfg(balancing)
-    step, rule = _train_step(balancing), router.balancer(cfg.model.moe)
+    step, rule = _train_step(balancing), balancing_lib.balancer(cfg.model.moe)
     state = init_state(cfg)
     state, _ = step(state, _tokens(20))  # a nonzero bias b_t to start from
     params_t, bias_t = jax.tree.map(np.array, (state.params, state.router_bias))  # copies: step donates state
@@ -238,7 +239,7 @@ def test_train_step_metrics_have_per_layer_arrays_and_scalar_summaries():
 # the quantile rule balances, and the default rate is what makes it converge
 
 
-def _simulate(rule: router.Balancer, num_experts: int, k: int, steps: int, num_tokens: int = 2048) -> np.ndarray:
+def _simulate(rule: balancing_lib.Balancer, num_experts: int, k: int, steps: int, num_tokens: int = 2048) -> np.ndarray:
     """Per-step MaxVio of a fixed, strongly skewed sigmoid router on fresh tokens each step."""
     cfg = MoEConfig(num_experts=num_experts, num_experts_per_token=k)
     skew = -3.0 * jnp.linspace(0.0, 1.0, num_experts)
@@ -256,7 +257,7 @@ def _simulate(rule: router.Balancer, num_experts: int, k: int, steps: int, num_t
 
 @pytest.mark.parametrize("estimator", ["exact", "hist"])
 def test_quantile_balancing_balances_a_skewed_router_within_two_steps(estimator):
-    maxvio = _simulate(router.quantile_balancing(estimator), num_experts=8, k=2, steps=6)
+    maxvio = _simulate(balancing_lib.quantile_balancing(estimator), num_experts=8, k=2, steps=6)
     assert maxvio[0] > 1.5  # the skew: the top expert gets > 2.5x its share
     # Fresh tokens each step leave sampling noise: ~sqrt(q) = 23 tokens on q = 512 per expert, ~0.1
     # for the worst of 8 experts.
@@ -266,15 +267,15 @@ def test_quantile_balancing_balances_a_skewed_router_within_two_steps(estimator)
 def test_full_replacement_oscillates_with_two_experts_and_the_default_rate_converges():
     """The derivation in `quantile_balancing`: with rate 1 a load error e becomes -e / (E - 1), which
     for E = 2 flips sign forever; rate (E - 1) / E = 1/2 removes it in one step."""
-    replace = _simulate(router.quantile_balancing("exact", rate=1.0), num_experts=2, k=1, steps=8)
-    default = _simulate(router.quantile_balancing("exact"), num_experts=2, k=1, steps=8)
+    replace = _simulate(balancing_lib.quantile_balancing("exact", rate=1.0), num_experts=2, k=1, steps=8)
+    default = _simulate(balancing_lib.quantile_balancing("exact"), num_experts=2, k=1, steps=8)
     assert np.all(replace > 0.8), replace
     assert np.all(default[1:] < 0.1), default
 
 
 def test_sign_rule_moves_each_bias_by_gamma_toward_the_mean_load():
     load = jnp.array([[10.0, 2.0, 4.0, 4.0]])
-    bias = router.sign_balancing(0.01).update(jnp.zeros((1, 4)), {"expert_load": load})
+    bias = balancing_lib.sign_balancing(0.01).update(jnp.zeros((1, 4)), {"expert_load": load})
     # +-gamma by sign (-0.01, +0.01, +0.01, +0.01), then the mean 0.005 removed.
     np.testing.assert_allclose(bias, [[-0.015, 0.005, 0.005, 0.005]], rtol=1e-6)
 
@@ -305,7 +306,7 @@ def _batch_skewed_logits(seed: int, num_tokens: int = 2048, num_experts: int = 1
 def test_rebalance_on_batch_balances_the_batch_that_the_carried_bias_does_not():
     cfg = MoEConfig(num_experts=16, num_experts_per_token=4, balancing="hist")
     a, b, w = _batch_skewed_logits(1), _batch_skewed_logits(2), jnp.eye(16)
-    rule = router.balancer(cfg)
+    rule = balancing_lib.balancer(cfg)
 
     def maxvio(logits, bias):
         return float(router.max_violation(router.expert_load(router.route(logits, w, bias, cfg).expert_idx, 16)))
@@ -315,10 +316,10 @@ def test_rebalance_on_batch_balances_the_batch_that_the_carried_bias_does_not():
         stats = rule.measure(router.route(a, w, carried, cfg), carried)
         carried = rule.update(carried[None], {"bias_target": stats["bias_target"][None]})[0]
     assert maxvio(a, carried) < 0.15 and maxvio(b, carried) > 1.0  # it does not fit the next batch
-    solved = router.rebalance_on_batch(b, w, carried, cfg)
+    solved = balancing_lib.rebalance_on_batch(b, w, carried, cfg)
     assert maxvio(b, solved) < 0.15  # under capacity_factor 1.15: nothing dropped
     assert abs(float(jnp.mean(solved))) < 1e-6
-    one = router.rebalance_on_batch(b, w, carried, dataclasses.replace(cfg, rebalance_iterations=1))
+    one = balancing_lib.rebalance_on_batch(b, w, carried, dataclasses.replace(cfg, rebalance_iterations=1))
     assert maxvio(b, solved) < maxvio(b, one)  # the iterations are what get it there
 
 
@@ -333,7 +334,7 @@ def test_rebalancing_moves_selection_only_and_matches_routing_under_the_solved_b
         return jnp.sum(y * jnp.cos(y)), stats
 
     grad = jax.jit(jax.value_and_grad(out, has_aux=True))
-    solved = router.rebalance_on_batch(h, layer["w_router"], bias, cfg.moe)
+    solved = balancing_lib.rebalance_on_batch(h, layer["w_router"], bias, cfg.moe)
     (v_on, s_on), g_on = grad(layer, bias, jnp.array(True))
     (v_solved, s_solved), g_solved = grad(layer, solved, jnp.array(False))
     (v_off, s_off), _ = grad(layer, bias, jnp.array(False))
@@ -376,9 +377,9 @@ def test_rebalance_steps_need_a_quantile_rule():
     assert MoEConfig(balancing="hist", rebalance_steps=10).rebalance_steps == 10
 
 
-def test_router_docstring_examples_run():
-    result = doctest.testmod(router, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 10 and result.failed == 0
+def test_router_and_balancing_docstring_examples_run():
+    results = [doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE) for module in (router, balancing_lib)]
+    assert sum(r.attempted for r in results) >= 10 and all(r.failed == 0 for r in results)
 
 
 if __name__ == "__main__":

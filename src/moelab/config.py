@@ -120,7 +120,7 @@ class MoEConfig:
     sign_gamma: float = 1e-3  # sign: bias change per step
     aux_loss_weight: float = 1e-2  # aux: weight of the Switch load-balancing loss, per layer
     rebalance_steps: int = 0  # exact / hist: for the first N steps the bias is also solved on each batch itself
-    rebalance_iterations: int = 3  # quantile steps of that in-batch solve (`router.rebalance_on_batch`)
+    rebalance_iterations: int = 3  # quantile steps of that in-batch solve (`balancing.rebalance_on_batch`)
     num_waves: int = 1  # static expert waves in the `ep` all-to-all
     transport_capacity_factor: float | None = None
     """`ep` only: the rows each device may send one expert shard per wave, as a multiple of the fair

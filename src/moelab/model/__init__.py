@@ -3,7 +3,8 @@
 - `layers`: RMSNorm and the init scales the transformer and the MoE block share.
 - `transformer`: embedding, pre-norm blocks (GQA attention with RoPE, MoE), lm head, loss.
 - `moe`: the MoE block: router, LatentMoE projection, routed experts through a given dispatch, shared experts.
-- `router`: scores, biased top-k, combine weights, the balancing rules and router statistics.
+- `router`: scores, biased top-k, combine weights and router statistics.
+- `balancing`: the rules that move the router's bias (quantile, sign, aux loss) and their estimators.
 - `dispatch`: the single-device backends (dense, capacity, dropless, grouped); `single_device(cfg)`.
 - `grouped_matmul`: the Pallas grouped GEMM and its tile choice (the GPU's dropless fast path).
 - `rows`: row moves whose gradients are gathers.

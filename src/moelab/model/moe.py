@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
+from moelab.model import balancing
 from moelab.model import router as router_lib
 from moelab.model.dispatch import Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
@@ -83,16 +84,16 @@ def apply(
             `moelab.parallel.ep.make_dispatch(cfg.moe, mesh)` (required: `ep` needs a mesh, and a
             default would pick a backend the caller did not name).
         rebalance: [] bool (or a Python bool): route under the bias solved on this batch
-            (`router_lib.rebalance_on_batch`) instead of `bias`; a Python False adds nothing to the
+            (`balancing.rebalance_on_batch`) instead of `bias`; a Python False adds nothing to the
             program, a traced flag one `lax.cond`.
 
     Returns:
         y [T, D] float32 and stats: `load` [E], `dropped` [], `assignments` [], `entropy` [] (the
-        routing entropy), plus what the balancing rule measures (`router_lib.Balancer.measure`).
+        routing entropy), plus what the balancing rule measures (`balancing.Balancer.measure`).
     """
     m = cfg.moe
     if rebalance is not False:
-        bias = jax.lax.cond(rebalance, lambda b: router_lib.rebalance_on_batch(x, params["w_router"], b, m),
+        bias = jax.lax.cond(rebalance, lambda b: balancing.rebalance_on_batch(x, params["w_router"], b, m),
                             lambda b: b.astype(jnp.float32), bias)
     routing = route(x, params["w_router"], bias, m)
 
@@ -118,5 +119,5 @@ def apply(
         up = jnp.einsum("td,df->tf", xc, cast(params["w_shared_up"]))
         y = y + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, cast(params["w_shared_down"])).astype(jnp.float32)
     stats = {**stats, "entropy": router_lib.routing_entropy(jax.lax.stop_gradient(routing.scores)),
-             **router_lib.balancer(m).measure(routing, bias)}
+             **balancing.balancer(m).measure(routing, bias)}
     return y, stats

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from moelab.config import RunConfig, changed_fields, load_yaml, to_dict
 from moelab.errors import ConfigError, Preempted, SaveFailed
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
-from moelab.model import decode, router, transformer
+from moelab.model import balancing, decode, router, transformer
 from moelab.model.dispatch import Dispatch
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
@@ -120,7 +120,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     tx = make_optimizer(cfg.train)
     schedule = learning_rate(cfg.train)
     dtype = compute_dtype(cfg)
-    balancer = router.balancer(cfg.model.moe)
+    balancer = balancing.balancer(cfg.model.moe)
     dispatch = _dispatch(cfg, mesh)
 
     gather = _gather(cfg, mesh)
@@ -128,7 +128,7 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     grad_shardings = None if shardings is None else shardings.params
 
     def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
-        # The first steps route under the bias solved on their own batch (`router.rebalance_on_batch`).
+        # The first steps route under the bias solved on their own batch (`balancing.rebalance_on_batch`).
         rebalance = state.step < cfg.model.moe.rebalance_steps if cfg.model.moe.rebalance_steps else False
 
         def loss_fn(params, rows):
