@@ -45,6 +45,10 @@ step is run again, up to MAX_ATTEMPTS times in all, each lost attempt and each r
 in its own directory, and so is one that lost its worker on every attempt, on the next `execute`;
 any other one in a fresh directory, its partial output moved aside. Step directories must be on
 storage that every node sees (a shared filesystem).
+
+Why one module of ~600 lines: versions, locks, status files and the two backends are one state machine
+(a step's directory moves RUNNING -> SUCCESS / FAILED / PREEMPTED under its lock, whichever backend runs
+it); split, each backend would need the other's view of a directory's state.
 """
 
 from __future__ import annotations

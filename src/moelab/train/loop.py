@@ -14,6 +14,11 @@ files, vocabulary) is checked before `OUT` is created, so bad input leaves nothi
 Multi-host: every process runs every step, eval, sample decode and checkpoint save (they are
 collectives), but only process 0 (`mesh.is_writer()`) writes the files above and publishes to sinks; on
 the others they are opened on os.devnull, so N hosts sharing `OUT` do not write each line N times.
+
+Why one module past 600 lines: the step, the eval and the loop that resumes and drives them share one
+state and one set of outputs; each piece is a function of at most ~60 lines (the step loop itself is
+split into `_Throughput`, `_evaluate`, `_log`, `_checkpoint` and `_summary`), and split across modules
+a resume would have to be read in three places.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import signal
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -451,6 +456,88 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, c
     return summary
 
 
+@dataclass
+class _Throughput:
+    """The train step's wall time: this process's first step (the compile) apart, then the steady state, and
+    the window since the last logged record."""
+
+    tokens_per_step: int
+    window_start: float  # from after the decode's compile: that is not training time
+    window_steps: int = 0
+    steady_since: float | None = None
+    steady_steps: int = 0
+    compile_s: float | None = None  # the first step: the train step's compile, reported apart
+
+    def step_done(self) -> None:
+        self.window_steps += 1
+        if self.steady_since is None:  # the first step compiled: time the steady state, and the window, from here
+            self.steady_since = time.perf_counter()
+            self.compile_s = self.steady_since - self.window_start
+            self.window_start, self.window_steps = self.steady_since, 0
+        else:
+            self.steady_steps += 1
+
+    def window_tokens_per_s(self) -> float:
+        # Logged at the first step, the window holds no steady step: that step (compile included) is all.
+        if self.window_steps:
+            return self.window_steps * self.tokens_per_step / (time.perf_counter() - self.window_start)
+        return self.tokens_per_step / self.compile_s
+
+    def new_window(self) -> None:
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def steady_tokens_per_s(self) -> float | None:
+        """Every step after the first (evals and saves included); None when this process ran fewer than two."""
+        if not self.steady_steps:
+            return None
+        return self.steady_steps * self.tokens_per_step / (time.perf_counter() - self.steady_since)
+
+
+@dataclass
+class _Loop:
+    """What every step of `_run_steps` reads: the run's parts, its writers and callbacks."""
+
+    cfg: RunConfig
+    corpus: Corpus
+    hooks: Hooks
+    watchers: Sequence[Watcher]
+    checkpoints: Checkpointer
+    logs: outputs.RunLogs
+    evaluate_state: Callable[[TrainState], dict[str, float]]
+    sample: Callable[[TrainState, int], list[dict]]
+    incidents: list[dict] = field(default_factory=list)  # this process's, for the summary's count
+
+    def report(self, found: list[dict]) -> None:
+        for incident in found:
+            self.logs.incident(incident)
+        self.incidents.extend(found)
+
+
+def _evaluate(loop: _Loop, state: TrainState, done: int, record: dict) -> tuple[dict[str, float], list[dict]]:
+    """An eval step: the held-out losses into `record`, each watcher's fields and incidents, the samples and
+    the router load; returns the eval and the incidents the watchers opened."""
+    last_eval = loop.evaluate_state(state)
+    record.update({f"eval/{d}": v for d, v in last_eval.items()})
+    opened = []
+    for watcher in loop.watchers:
+        fields, found = watcher.watch(done, last_eval["mean"])
+        record.update(fields)
+        found = [Incident(done, **incident).to_json() for incident in found]
+        loop.report(found)
+        opened += found
+    loop.logs.samples(done, loop.sample(state, done))
+    loop.logs.router_load(done, jax.device_get(state.router_load).tolist())
+    if loop.hooks.on_eval:
+        loop.hooks.on_eval(done, last_eval)
+    return last_eval, opened
+
+
+def _save(loop: _Loop, state: TrainState, step: int, eval_initial: dict, mixture: MixtureLog) -> Path:
+    return loop.checkpoints.save(step, state, {"seed": loop.cfg.train.seed, "eval_initial": eval_initial,
+                                               "store_hash": _store_hash(loop.corpus),
+                                               "realized_tokens": mixture.counts})
+
+
 def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watchers: Sequence[Watcher],
                checkpoints: Checkpointer, logs: outputs.RunLogs, start: _Start, eval_initial: dict[str, float],
                train_step: Callable, evaluate_state: Callable[[TrainState], dict[str, float]],
@@ -460,37 +547,22 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
     Raises Preempted, once the checkpoint of the step under way is saved, when a stop was requested.
     """
     t, m = cfg.train, cfg.model
-    tokens_per_step = t.batch_size * m.seq_len
-    state = start.state
-
-    def save(step: int) -> Path:
-        return checkpoints.save(step, state, {"seed": t.seed, "eval_initial": eval_initial,
-                                              "store_hash": _store_hash(corpus),
-                                              "realized_tokens": mixture.counts})
-
-    def report(found: list[dict]) -> None:
-        for incident in found:
-            logs.incident(incident)
-        incidents.extend(found)
-
-    last_eval, record, tokens_per_s = eval_initial, {}, 0.0
-    steady_since, steady_steps = None, 0  # the throughput after this process's first (compiling) step
-    compile_s = None  # how long that first step took: the train step's compile, reported apart
+    loop = _Loop(cfg, corpus, hooks, watchers, checkpoints, logs, evaluate_state, sample)
+    state, last_eval, record = start.state, eval_initial, {}
     if start.step == t.steps:  # finished, but its summary was never written: summarize the final state again
         last_eval = evaluate_state(state)
         record = json.loads(start.kept[outputs.METRICS][-1]) if start.kept[outputs.METRICS] else {}
-    monitor, incidents = Monitor(cfg.monitor), []
+    monitor = Monitor(cfg.monitor)
     with _stop_requests() as stop, logs:
         # No `realized_tokens` in a fresh start or a checkpoint older than the mixture log: rebuilt from the phases.
         realized = start.meta.get("realized_tokens") if start.meta else None
         mixture = MixtureLog(cfg, corpus.domains, start.step, realized,
                              [json.loads(x) for x in start.kept[outputs.MIXTURE_LOG]])
-        window_steps = 0
         if start.step == 0:
             hooks.stage("compiling the sampler")
             logs.samples(0, sample(state, 0))
         hooks.stage("compiling the train step")
-        window_start = time.perf_counter()  # the decode's compile is not training time
+        clock = _Throughput(t.batch_size * m.seq_len, time.perf_counter())
         for step in range(start.step, t.steps):
             logs.mixture(mixture.before_step(step))
             _, phase = phase_at(cfg.data, step, t.steps)
@@ -499,60 +571,65 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
             state, metrics = train_step(state, mesh_lib.place_batch(batch.tokens, mesh), ceiling)
             scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
             done = step + 1
-            window_steps += 1
-            if steady_since is None:  # the first step compiled: time the steady state, and the log window, from here
-                steady_since = time.perf_counter()
-                compile_s = steady_since - window_start
-                window_start, window_steps = steady_since, 0
-            else:
-                steady_steps += 1
+            clock.step_done()
             snapshot = mixture.after_step(done, batch)
             if snapshot is None and done == t.steps:
                 snapshot = mixture.snapshot(done)  # the end always gets one
             logs.mixture(snapshot)
             new_incidents = [i.to_json() for i in monitor.observe(done, scalars)]
-            report(new_incidents)
+            loop.report(new_incidents)
             is_eval = done % t.eval_every == 0 or done == t.steps
             if done % t.log_every == 0 or is_eval or new_incidents:
-                # Logged at the first step, the window holds no steady step: that step (compile included) is all.
-                tokens_per_s = (window_steps * tokens_per_step / (time.perf_counter() - window_start) if window_steps
-                                else tokens_per_step / compile_s)
-                record = {"step": done, **scalars, "tokens": done * tokens_per_step,
-                          "tokens_per_s": tokens_per_s, "phase": phase.name}
-                if is_eval:
-                    last_eval = evaluate_state(state)
-                    record.update({f"eval/{d}": v for d, v in last_eval.items()})
-                    for watcher in watchers:
-                        fields, found = watcher.watch(done, last_eval["mean"])
-                        record.update(fields)
-                        found = [Incident(done, **incident).to_json() for incident in found]
-                        report(found)
-                        new_incidents += found
-                    logs.samples(done, sample(state, done))
-                    logs.router_load(done, jax.device_get(state.router_load).tolist())
-                    if hooks.on_eval:
-                        hooks.on_eval(done, last_eval)
-                if new_incidents:
-                    record["incidents"] = new_incidents
-                logs.log(record)
-                if hooks.on_log:
-                    hooks.on_log(record)
-                window_start, window_steps = time.perf_counter(), 0
-            every = cfg.checkpoint.every
+                record = {"step": done, **scalars, "tokens": done * clock.tokens_per_step,
+                          "tokens_per_s": clock.window_tokens_per_s(), "phase": phase.name}
+                evaluated = _log(loop, state, done, record, new_incidents, is_eval)
+                last_eval = last_eval if evaluated is None else evaluated
+                clock.new_window()
             # Every process stops after this step if any saw a signal: saving the checkpoint is a collective,
             # so a host that stopped alone would wait forever. The loop already waits for each step's
             # metrics, so the flags' all-gather adds no sync of its own.
             stopping = mesh_lib.on_any_process(stop["signal"] is not None)
-            if stopping or done == t.steps or (every and done % every == 0):
-                path = save(done)
-                if stopping and done < t.steps:
-                    if snapshot is None:  # publish the realized mixture up to the stop
-                        logs.mixture(mixture.snapshot(done))
-                    checkpoints.close()
-                    raise Preempted(done, path)
+            _checkpoint(loop, state, done, eval_initial, mixture, stopping, snapshot is None)
             if hooks.on_step:
                 hooks.on_step(done)
     checkpoints.close()
+    return _summary(cfg, start, state, record, last_eval, eval_initial, clock, len(loop.incidents))
+
+
+def _log(loop: _Loop, state: TrainState, done: int, record: dict, new_incidents: list[dict],
+         is_eval: bool) -> dict[str, float] | None:
+    """A logged step: `record` (and, at an eval, its held-out losses and the watchers' fields) to the metrics,
+    with the incidents the step opened; returns the eval when there was one."""
+    last_eval = None
+    if is_eval:
+        last_eval, opened = _evaluate(loop, state, done, record)
+        new_incidents = new_incidents + opened
+    if new_incidents:
+        record["incidents"] = new_incidents
+    loop.logs.log(record)
+    if loop.hooks.on_log:
+        loop.hooks.on_log(record)
+    return last_eval
+
+
+def _checkpoint(loop: _Loop, state: TrainState, done: int, eval_initial: dict, mixture: MixtureLog, stopping: bool,
+                no_snapshot: bool) -> None:
+    """Saves at the cadence, at the end and on a stop; a stop before the end then raises Preempted."""
+    t, every = loop.cfg.train, loop.cfg.checkpoint.every
+    if stopping or done == t.steps or (every and done % every == 0):
+        path = _save(loop, state, done, eval_initial, mixture)
+        if stopping and done < t.steps:
+            if no_snapshot:  # publish the realized mixture up to the stop
+                loop.logs.mixture(mixture.snapshot(done))
+            loop.checkpoints.close()
+            raise Preempted(done, path)
+
+
+def _summary(cfg: RunConfig, start: _Start, state: TrainState, record: dict, last_eval: dict, eval_initial: dict,
+             clock: _Throughput, new_incidents: int) -> dict:
+    """summary.json: the run's final figures (`train`'s docstring lists them)."""
+    t = cfg.train
+    tokens_per_step = t.batch_size * cfg.model.seq_len
     return {
         "step": t.steps,
         "loss": record.get("loss"),
@@ -562,9 +639,9 @@ def _run_steps(cfg: RunConfig, mesh: Mesh, corpus: Corpus, hooks: Hooks, watcher
         "tokens": t.steps * tokens_per_step,
         # Steady state: every step this process ran after its first (which compiles), evals and saves
         # included; None when it ran fewer than two.
-        "tokens_per_s": steady_steps * tokens_per_step / (time.perf_counter() - steady_since) if steady_steps else None,
-        "compile_s": compile_s,  # this process's first step (the train step's compile); None if it ran none
-        "incidents": len(start.kept[outputs.INCIDENTS]) + len(incidents),
+        "tokens_per_s": clock.steady_tokens_per_s(),
+        "compile_s": clock.compile_s,  # this process's first step (the train step's compile); None if it ran none
+        "incidents": len(start.kept[outputs.INCIDENTS]) + new_incidents,
         "resumed_from": start.step or None,
         # What `moelab lab reproduce` compares a rerun with: bitwise-equal weights, and the platform that
         # made them (a rerun elsewhere is held to the run-to-run noise instead).
