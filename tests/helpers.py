@@ -183,3 +183,36 @@ def loss_on_one_device(params, tokens, cfg, router_bias, compute_dtype=None, **k
 
     return transformer.loss(params, tokens, cfg, router_bias, compute_dtype or jnp.float32,
                             dispatch=single_device(cfg.moe), **kwargs)
+
+
+def tiny_model(*, seq_len: int = 8, moe: dict | None = None, **fields):
+    """The tests' tiny model: vocab 64, d_model 32, 2 layers, 4 heads over 2 KV heads, 4 experts top-2 of width
+    16. `fields` replace ModelConfig fields, `moe` MoEConfig fields: each test names only what it varies."""
+    from moelab.config import ModelConfig, MoEConfig
+
+    experts = {"num_experts": 4, "num_experts_per_token": 2, "expert_dim": 16, **(moe or {})}
+    shape = {"vocab_size": 64, "d_model": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, **fields}
+    return ModelConfig(seq_len=seq_len, moe=MoEConfig(**experts), **shape)
+
+
+# The lab tests' run config beside train.steps (report, bundle, site): one compile serves them all through the
+# session's compilation cache.
+LAB_RUN = {"train.eval_every": 5, "train.log_every": 1, "train.eval_batches": 1, "train.seed": 0}
+
+
+def experiment_spec(exp_id: str, *, high: float = 10.0, expected: float | None = None, steps: int = 10,
+                    title: str | None = None, overrides: dict | None = None, **extra) -> dict:
+    """A pre-registered spec on the tiny preset: eval/mean after `steps` steps below `high` nats (`expected`:
+    high / 2 unless given). `overrides` add run-config overrides (`LAB_RUN`, say); `extra` replaces or adds
+    spec keys (a `ladder:` instead of `config:`)."""
+    spec = {
+        "id": exp_id,
+        "title": title or f"Test experiment {exp_id}",
+        "question": f"Does {exp_id} end below {high:g} nats?",
+        "hypothesis": f"The tiny preset's eval/mean after {steps} steps is below {high:g} nats.",
+        "prediction": {"metric": "eval/mean", "expected": high / 2 if expected is None else expected, "band": [None, high],
+                       "decision_rule": f"Confirmed if eval/mean at the last step is below {high:g}."},
+        "owner": "tests",
+        "config": {"preset": "tiny", "overrides": {"train.steps": steps, **(overrides or {})}},
+    }
+    return {**spec, **extra}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_cli_redirected
+from helpers import LAB_RUN, experiment_spec, run_cli_redirected
 from mutations import fresh_copy
 
 from moelab.lab.bundle import CHAIN, MANIFEST, RECORDS
@@ -24,18 +24,7 @@ from moelab.lab.verify import verify_bundle
 
 EXP = "bun-tiny"
 STEPS = 10
-SPEC = {
-    "id": EXP,
-    "title": "Bundle and reproduction test",
-    "question": "Does a bundle check out and rerun bitwise?",
-    "hypothesis": "The tiny preset's eval/mean after 10 steps is below 10 nats.",
-    "prediction": {"metric": "eval/mean", "expected": 4.0, "band": [None, 10.0],
-                   "decision_rule": "Confirmed if eval/mean at the last step is below 10."},
-    "owner": "tests",
-    # test_report's run config: one compile serves both files through the session's compilation cache.
-    "config": {"preset": "tiny", "overrides": {"train.steps": STEPS, "train.eval_every": 5, "train.log_every": 1,
-                                               "train.eval_batches": 1, "train.seed": 0}},
-}
+SPEC = experiment_spec(EXP, expected=4.0, steps=STEPS, title="Bundle and reproduction test", overrides=LAB_RUN)
 SRC = Path(__file__).resolve().parents[1] / "src" / "moelab"
 
 
@@ -721,11 +710,8 @@ def test_a_bundle_of_an_older_format_version_is_refused_naming_its_format(lab, t
 
 
 LADDER_SPEC = {
-    "id": "bun-ladder", "title": "A ladder experiment's bundle", "owner": "tests",
-    "question": "Does a bundle of rungs, a fit and a watched run check out?",
-    "hypothesis": "The tiny target's eval/mean after 40 steps is below 10 nats.",
-    "prediction": {"metric": "eval/mean", "expected": 4.0, "band": [None, 10.0],
-                   "decision_rule": "Confirmed if eval/mean at the last step is below 10."},
+    **{k: v for k, v in experiment_spec("bun-ladder", expected=4.0, steps=40, title="A ladder experiment's bundle")
+       .items() if k != "config"},
     "ladder": {"target": {"preset": "tiny", "overrides": {"name": "bun-target", "train.steps": 40,
                                                            "train.eval_batches": 1}},
                "rungs": [[32, 1], [48, 1]], "rung_batch_size": 16},

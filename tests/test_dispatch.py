@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, loss_on_one_device, relative_error
+from helpers import (dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, loss_on_one_device, relative_error,
+                     tiny_model)
 from moelab.config import ModelConfig, MoEConfig
 from moelab.errors import ConfigError
 from moelab.model import dispatch as dispatch_lib
@@ -29,25 +30,10 @@ grouped_variants = load_benchmark("grouped_variants")  # `grouped` without its f
 
 def _cfg(backend: str, router_score: str, latent: bool, shared: bool, capacity_factor: float = E / K) -> ModelConfig:
     """A tiny model; capacity_factor E / k gives C = T, so `capacity` has room for every assignment."""
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        seq_len=S,
-        moe=MoEConfig(
-            num_experts=E,
-            num_experts_per_token=K,
-            expert_dim=16,
-            num_shared_experts=2 if shared else 0,
-            shared_expert_dim=8,
-            latent_dim=16 if latent else None,
-            router_score=router_score,
-            capacity_factor=capacity_factor,
-            dispatch=backend,
-        ),
-    )
+    return tiny_model(seq_len=S, moe={"num_experts": E, "num_experts_per_token": K, "num_shared_experts": 2 if shared else 0,
+                                      "shared_expert_dim": 8, "latent_dim": 16 if latent else None,
+                                      "router_score": router_score, "capacity_factor": capacity_factor,
+                                      "dispatch": backend})
 
 
 def _with_backend(cfg: ModelConfig, backend: str) -> ModelConfig:
@@ -380,8 +366,7 @@ def test_dropless_on_a_gpu_is_refused_naming_grouped(monkeypatch):
 def test_the_model_requires_its_dispatch_and_decoding_runs_without_drops():
     """One dispatch path (issue 50): `transformer.apply` / `loss` pick no backend behind the caller's back, and
     `no_drops` is "this config, no token dropped", whatever the training backend (on CPU, `dropless`)."""
-    cfg = ModelConfig(vocab_size=40, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, seq_len=8,
-                      moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, dispatch="ep"))
+    cfg = tiny_model(num_layers=1, moe={"dispatch": "ep"})
     params = transformer.init(cfg, jax.random.key(0))
     tokens = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(TypeError, match="dispatch"):

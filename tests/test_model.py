@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import apply_on_one_device, loss_on_one_device
+from helpers import apply_on_one_device, loss_on_one_device, tiny_model
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model import transformer
 from moelab.model.dispatch import single_device
@@ -20,25 +20,10 @@ from moelab.model.router import route
 
 B, S = 2, 8
 
-CFG = ModelConfig(
-    vocab_size=64,
-    d_model=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    seq_len=S,
-    z_loss_weight=1e-3,
-    moe=MoEConfig(
-        num_experts=4,
-        num_experts_per_token=2,
-        expert_dim=16,
-        num_shared_experts=2,
-        shared_expert_dim=8,
-        latent_dim=16,
-        capacity_factor=1.0,  # tight, so some tests see drops
-        dispatch="capacity",
-    ),
-)
+CFG = tiny_model(seq_len=S, z_loss_weight=1e-3,
+                 moe={"num_shared_experts": 2, "shared_expert_dim": 8, "latent_dim": 16,
+                      "capacity_factor": 1.0,  # tight, so some tests see drops
+                      "dispatch": "capacity"})
 
 # One jitted function per (cfg, dtype): tests that share CFG share its compilation.
 loss_and_grad = jax.jit(

@@ -16,9 +16,9 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error, run_cli
+from helpers import dispatch_gradient_jaxpr, float_scatter_adds, load_benchmark, relative_error, run_cli, tiny_model
 from moelab import presets
-from moelab.config import MeshConfig, ModelConfig, MoEConfig, load_yaml, override
+from moelab.config import MeshConfig, ModelConfig, load_yaml, override
 from moelab.errors import ConfigError
 from moelab.data.mixture import phase_at, sample_batch
 from moelab.model import dispatch as dispatch_lib
@@ -41,14 +41,10 @@ if jax.device_count() < 8:  # conftest.py sets the flag; a failure, not a skip, 
 
 def _cfg(dispatch: str, latent: bool, num_waves: int = 1, capacity_factor: float = 1.0,
          transport_capacity_factor: float | None = None) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=S,
-        moe=MoEConfig(
-            num_experts=E, num_experts_per_token=K, expert_dim=16, num_shared_experts=1, shared_expert_dim=8,
-            latent_dim=16 if latent else None, capacity_factor=capacity_factor, dispatch=dispatch, num_waves=num_waves,
-            transport_capacity_factor=transport_capacity_factor,
-        ),
-    )
+    return tiny_model(seq_len=S, moe={
+        "num_experts": E, "num_experts_per_token": K, "num_shared_experts": 1, "shared_expert_dim": 8,
+        "latent_dim": 16 if latent else None, "capacity_factor": capacity_factor, "dispatch": dispatch,
+        "num_waves": num_waves, "transport_capacity_factor": transport_capacity_factor})
 
 
 # Factors that make every buffer as large as it can ever need to be (`pool_size` and

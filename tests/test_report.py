@@ -18,24 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from helpers import run_cli, run_cli_redirected
+from helpers import LAB_RUN, experiment_spec, run_cli, run_cli_redirected
 
 from moelab.lab.ledger import append, open_ledger, records, verify
 from moelab.lab.plots import mixture_plot, router_load_heatmap
 from moelab.lab.registry import CONFIRMED, INCONCLUSIVE, REFUTED, Prediction, verdict
 from moelab.lab.report import SECTION_IDS
 
-SPEC = {
-    "id": "rep-tiny",
-    "title": "Report smoke test",
-    "question": "Does the report read a real run?",
-    "hypothesis": "The tiny preset's eval/mean after 10 steps is below 10 nats.",
-    "prediction": {"metric": "eval/mean", "expected": 4.0, "band": [None, 10.0],
-                   "decision_rule": "Confirmed if eval/mean at the last step is below 10."},
-    "owner": "tests",
-    "config": {"preset": "tiny", "overrides": {"train.steps": 10, "train.eval_every": 5, "train.log_every": 1,
-                                               "train.eval_batches": 1, "train.seed": 0}},
-}
+SPEC = experiment_spec("rep-tiny", expected=4.0, title="Report smoke test", overrides=LAB_RUN)
 
 
 def section(html_text, sid):

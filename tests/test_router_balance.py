@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import loss_on_one_device
-from moelab.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
+from helpers import loss_on_one_device, tiny_model
+from moelab.config import MoEConfig, RunConfig, TrainConfig
 from moelab.errors import ConfigError
 from moelab.model import balancing as balancing_lib
 from moelab.model import moe, router, transformer
@@ -39,11 +39,9 @@ B, S = 8, 16  # T = 128 tokens per MoE layer: fair share q = T k / E = 32
 
 
 def _run_cfg(balancing: str) -> RunConfig:
-    model = ModelConfig(
-        vocab_size=64, d_model=32, num_layers=L, num_heads=4, num_kv_heads=2, seq_len=S,
-        # `dense` dispatch: the smallest program to compile, and nothing drops, so only routing differs.
-        moe=MoEConfig(num_experts=E, num_experts_per_token=K, expert_dim=16, balancing=balancing, dispatch="dense"),
-    )
+    # `dense` dispatch: the smallest program to compile, and nothing drops, so only routing differs.
+    model = tiny_model(num_layers=L, seq_len=S, moe={"num_experts": E, "num_experts_per_token": K,
+                                                     "balancing": balancing, "dispatch": "dense"})
     return RunConfig(model=model, train=TrainConfig(batch_size=B, steps=10, warmup_steps=0, lr=1e-2))
 
 

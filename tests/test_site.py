@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import run_cli_redirected
+from helpers import LAB_RUN, experiment_spec, run_cli_redirected
 
 from moelab.errors import DataError
 from moelab.lab.bundle import open_bundle
@@ -24,18 +24,10 @@ from moelab.lab.site import INDEX, SITE_JSON, TIMELINE, build_site, publish_site
 from moelab.lab.verify import verify_bundle
 
 STEPS = 10
-# test_bundle's run config: one compile serves the files through the session's compilation cache.
-CONFIG = {"preset": "tiny", "overrides": {"train.steps": STEPS, "train.eval_every": 5, "train.log_every": 1,
-                                          "train.eval_batches": 1, "train.seed": 0}}
 
 
 def spec(exp_id: str, high: float, **extra) -> dict:
-    return {"id": exp_id, "title": f"Site test {exp_id}", "owner": "tests",
-            "question": f"Does {exp_id} end below {high} nats?",
-            "hypothesis": f"The tiny preset's eval/mean after {STEPS} steps is below {high} nats.",
-            "prediction": {"metric": "eval/mean", "expected": high / 2, "band": [None, high],
-                           "decision_rule": f"Confirmed if eval/mean at the last step is below {high}."},
-            "config": CONFIG, **extra}
+    return experiment_spec(exp_id, high=high, steps=STEPS, title=f"Site test {exp_id}", overrides=LAB_RUN, **extra)
 
 
 def cli(mp, args, cwd):
