@@ -460,7 +460,8 @@ while [ $# -gt 0 ]; do
                --matmul-only) runs+=(matmul);; esac; shift
 done
 for r in "${runs[@]}"; do
-  [ -n "${FAKE_SLEEP:-}" ] && sleep "$FAKE_SLEEP"
+  # Each run advances the suite's clock (MOELAB_SUITE_CLOCK) by FAKE_SECONDS: its budget, not the machine's speed.
+  [ -n "${FAKE_SECONDS:-}" ] && echo $(( $(cat "$MOELAB_SUITE_CLOCK") + FAKE_SECONDS )) > "$MOELAB_SUITE_CLOCK"
   if [ "$r" = matmul ]; then
     echo '{"status": "ok", "device": "fake", "matmul_n": 8, "matmul_peak_flops": 1e12, "fraction_of_datasheet": 0.001}' \
       > "$out_dir/matmul.json"
@@ -502,8 +503,14 @@ def test_gpu_path_writes_every_file_with_dropless_refused_and_few_processes(tmp_
 
 
 def test_gpu_path_stubs_what_the_budget_leaves_out(tmp_path):
-    """A run that would start with under 20 s of the budget left is not started; its files say why."""
-    proc, calls = _suite_on_gpu_path(tmp_path, MOELAB_SUITE_BUDGET_S="27", FAKE_SLEEP="1")
+    """A run that would start with under 20 s of the budget left is not started; its files say why. The suite
+    runs on a fake clock that each run advances by 1 s (no wall time: a loaded machine cannot change the
+    outcome): 27 s of budget leave 22 s for the matmul and 21 s for the first train-step process, and under
+    20 s for every process after it."""
+    clock = tmp_path / "clock"
+    clock.write_text("0")
+    proc, calls = _suite_on_gpu_path(tmp_path, MOELAB_SUITE_BUDGET_S="27", MOELAB_SUITE_CLOCK=str(clock),
+                                     FAKE_SECONDS="1")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "out"
     statuses = {name: json.loads((out / name).read_text())["status"] for name in suite_table.EXPECTED_FILES}

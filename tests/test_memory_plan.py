@@ -47,18 +47,18 @@ def test_the_tiny_plan_is_within_10_percent_of_xla_on_8_devices():
     row = load_benchmark("plan_vs_xla").measure("tiny")
     assert abs(row["plan_vs_xla"]) <= 0.10, row
     assert row["comm_bytes_compiled"]["all-to-all"] > 0  # the ep step's exchanges, read from its HLO
-    assert all(abs(ratio - 1) <= 0.10 for ratio in row["comm_counted_vs_compiled"].values()), row
+    assert all(abs(ratio - 1) <= 0.06 for ratio in row["comm_counted_vs_compiled"].values()), row  # 0.96 measured
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["ladder-d1024", "frontier-535b"])
-def test_the_mid_size_and_frontier_plans_are_within_10_percent_of_xla(case):
+@pytest.mark.parametrize("case, bound", [("ladder-d1024", 0.08), ("frontier-535b", 0.06)])
+def test_the_mid_size_and_frontier_plans_agree_with_xla(case, bound):
     """`slow`: compiles the 535B step on 64 simulated devices and a d1024 rung on 8 (~20 s each on 2 cores).
     Measured: ladder-d1024 -6.3%, frontier-535b -4.0% (151.1 vs 157.4 GiB), and both under 186 GB; the
     collectives counted / compiled: all-to-all and all-gather 1.0, all-reduce 0.997 and 0.9996."""
     row = load_benchmark("plan_vs_xla").measure(case)
-    assert abs(row["plan_vs_xla"]) <= 0.10, row
-    assert all(abs(ratio - 1) <= 0.10 for ratio in row["comm_counted_vs_compiled"].values()), row
+    assert abs(row["plan_vs_xla"]) <= bound, row  # two points past what was measured: XLA's count is deterministic
+    assert all(abs(ratio - 1) <= 0.02 for ratio in row["comm_counted_vs_compiled"].values()), row
     assert row["xla_bytes"] <= 186e9
 
 

@@ -333,13 +333,18 @@ def test_rebalancing_moves_selection_only_and_matches_routing_under_the_solved_b
 
     grad = jax.jit(jax.value_and_grad(out, has_aux=True))
     solved = balancing_lib.rebalance_on_batch(h, layer["w_router"], bias, cfg.moe)
-    (v_on, s_on), g_on = grad(layer, bias, jnp.array(True))
-    (v_solved, s_solved), g_solved = grad(layer, solved, jnp.array(False))
+    (v_on, s_on), _ = grad(layer, bias, jnp.array(True))
+    (v_solved, s_solved), _ = grad(layer, solved, jnp.array(False))
     (v_off, s_off), _ = grad(layer, bias, jnp.array(False))
     np.testing.assert_array_equal(s_on["load"], s_solved["load"])
     np.testing.assert_allclose(v_on, v_solved, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_solved)):  # no gradient through the solve
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # No gradient through the solve itself: its bias is a function of the router's inputs (the quantile of
+    # their margins), so without its stop_gradients (the solve's and the margins') these derivatives are not zero. (Comparing g_on with
+    # g_solved could not fail: `route` stops the bias's gradient whatever the solve does.)
+    weights = jax.random.normal(jax.random.key(3), (E,))
+    d_x, d_w = jax.grad(lambda x, w: jnp.sum(weights * balancing_lib.rebalance_on_batch(x, w, bias, cfg.moe)),
+                        argnums=(0, 1))(h, layer["w_router"])
+    assert not np.any(np.asarray(d_x)) and not np.any(np.asarray(d_w))
     assert not np.array_equal(s_off["load"], s_on["load"])  # not vacuous: the carried bias routes otherwise
     assert float(router.max_violation(s_on["load"])) < float(router.max_violation(s_off["load"]))
 

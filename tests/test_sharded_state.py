@@ -37,15 +37,32 @@ def _batches(cfg, steps: int) -> list[np.ndarray]:
 
 
 def _train(cfg, steps: int):
+    """(losses, params after each step, Adam's first moments after each step, the first step's router
+    statistics): the router's load [L, E], the assignments routed and the fraction dropped."""
     mesh = mesh_lib.make_mesh(cfg.mesh)
     state, step = init_sharded_state(cfg, mesh), make_train_step(cfg, mesh)
-    losses, params, first_moments = [], [], []
+    losses, params, first_moments, router = [], [], [], None
     for tokens in _batches(cfg, steps):
         state, metrics = step(state, mesh_lib.place_batch(tokens, mesh))
         losses.append(float(metrics["loss"]))
         params.append(jax.device_get(state.params))
         first_moments.append(jax.device_get(optax.tree.get(state.opt_state, "mu")))
-    return losses, params, first_moments
+        router = router or {k: np.asarray(metrics[k]) for k in ("router/load", "drop_fraction")}
+    return losses, params, first_moments, router
+
+
+def _scans_over(jaxpr, shape: tuple) -> list[int]:
+    """The lengths of every `scan` in `jaxpr` (nested ones too) that slices an operand of `shape`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and any(tuple(v.aval.shape) == shape for v in eqn.invars):
+            found.append(eqn.params["length"])
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (list, tuple)) else [param]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _scans_over(inner, shape)
+    return found
 
 
 def _largest_relative_difference(a, b) -> float:
@@ -67,8 +84,8 @@ def test_the_full_layout_trains_to_the_replicated_losses_and_params(replicated_r
     summation order. Measured: losses equal to 2.4e-7 relative, params to 1e-6 of each tensor's largest
     entry after 3 steps. A wrong gather (a shard used as the whole weight) fails the shapes; a gradient
     reduced over the wrong devices moves the loss by > 1e-3 by step 2."""
-    losses, params, _ = _train(_cfg(**{"mesh.shard": "full"}), 3)
-    ref_losses, ref_params, _ = replicated_run
+    losses, params, _, _ = _train(_cfg(**{"mesh.shard": "full"}), 3)
+    ref_losses, ref_params, _, _ = replicated_run
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert _largest_relative_difference(params[-1], ref_params[-1]) < 1e-4
 
@@ -84,10 +101,22 @@ def test_microbatches_give_the_one_pass_update(replicated_run):
     Later steps are not compared: the histogram balancer's next bias is the mean of the slices'
     quantiles, not the whole batch's (each slice bins its own margins), so the routing may differ by a
     bin from step 2; the losses of 3 steps still agree to 1e-5."""
-    losses, _, first_moments = _train(_cfg(**{"train.microbatches": 2, "mesh.shard": "full"}), 3)
-    ref_losses, _, ref_first_moments = replicated_run
+    cfg = _cfg(**{"train.microbatches": 2, "mesh.shard": "full"})
+    # The microbatch path runs: the step scans 2 slices of [8, S + 1] tokens (a step that ignored
+    # train.microbatches would make this the full-vs-replicated check and still match the losses).
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    tokens = mesh_lib.place_batch(_batches(cfg, 1)[0], mesh)
+    jaxpr = jax.make_jaxpr(make_train_step(cfg, mesh))(init_sharded_state(cfg, mesh), tokens).jaxpr
+    assert _scans_over(jaxpr, (2, 8, cfg.model.seq_len + 1)) == [2]
+    losses, _, first_moments, router = _train(cfg, 3)
+    ref_losses, _, ref_first_moments, ref_router = replicated_run
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert _largest_relative_difference(first_moments[0], ref_first_moments[0]) < 1e-5
+    # The router's statistics are the whole step's: the slices' loads summed to the one pass's counts,
+    # exactly (integers in float32), and the same fraction dropped (none).
+    np.testing.assert_array_equal(router["router/load"], ref_router["router/load"])
+    assert float(router["drop_fraction"]) == float(ref_router["drop_fraction"]) == 0.0
+    assert router["router/load"].sum() == cfg.model.num_layers * 16 * cfg.model.seq_len * 2  # L x tokens x top-2
 
 
 def test_a_checkpoint_saved_under_one_layout_restores_under_another(tmp_path):
@@ -141,8 +170,24 @@ def test_twenty_steps_of_tiny_under_every_layout_give_the_replicated_losses():
     """`slow`: three 20-step runs on 2 x 4 (~60 s on 2 cores); the fast suite keeps 3 steps of `full`.
     Only the float32 summation order differs (reduce-scatters, sharded Adam), so every step's loss must
     agree to 1e-4 relative (a mis-reduced gradient moves it by > 1e-3 within two steps)."""
-    reference, _, _ = _train(_cfg(), 20)
+    reference, _, _, _ = _train(_cfg(), 20)
     assert reference[-1] < reference[0] - 0.5, f"the run should learn: {reference}"
     for shard in ("optimizer", "full"):
-        losses, _, _ = _train(_cfg(**{"mesh.shard": shard}), 20)
+        losses, _, _, _ = _train(_cfg(**{"mesh.shard": shard}), 20)
         np.testing.assert_allclose(losses, reference, rtol=1e-4, err_msg=shard)
+
+
+def test_a_step_with_bfloat16_moments_matches_float32_within_bfloat16_rounding(replicated_run):
+    """The frontier preset stores Adam's moments in bfloat16 (`train.moment_dtype`): the update is computed in
+    float32 and only the stored moments are rounded. Step 1 starts from zero moments, so its update and
+    params are float32's and its stored first moment is float32's rounded to bfloat16 (relative 2^-8);
+    step 2 reads those rounded moments, so its params move by float32's update to within a few bfloat16
+    roundings of m / sqrt(v) (2^-6 of the update)."""
+    _, params, first_moments, _ = _train(_cfg(**{"train.moment_dtype": "bfloat16"}), 2)
+    _, ref_params, ref_first_moments, _ = replicated_run
+    assert {a.dtype for a in jax.tree.leaves(first_moments[0])} == {np.dtype(jax.numpy.bfloat16)}
+    assert _largest_relative_difference(params[0], ref_params[0]) < 1e-6
+    for got, want in zip(jax.tree.leaves(first_moments[0]), jax.tree.leaves(ref_first_moments[0])):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=1e-30)
+    for got, want, before in zip(jax.tree.leaves(params[1]), jax.tree.leaves(ref_params[1]), jax.tree.leaves(ref_params[0])):
+        assert np.max(np.abs(got - want)) <= 2**-6 * np.max(np.abs(want - before)) + 1e-12
