@@ -16,6 +16,7 @@ builds its rungs with it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from moelab.accounting import count_params, flops_per_token, train_tokens
-from moelab.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, from_dict, load_yaml, override
+from moelab.config import (BALANCER_KNOBS, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, from_dict,
+                           load_yaml, override)
 from moelab.errors import ConfigError
 
 __all__ = ["PRESETS", "FRONTIER_LADDER", "LADDERS", "GPU_VOCAB", "EVALS_PER_RUN", "dense_counterpart", "get",
@@ -132,9 +134,11 @@ def dense_counterpart(cfg: RunConfig, multiple: int = 128) -> RunConfig:
     rounded to a multiple of `multiple` (a ConfigError if that misses by more than 1%).
     """
     moe_model = cfg.model
+    # No balancing, so none of the balancers' knobs (a MoE knob left set would be refused under "none").
+    knobs = {f.name: f.default for f in dataclasses.fields(MoEConfig)
+             if any(f.name in names for names in BALANCER_KNOBS.values())}
     dense_moe = replace(moe_model.moe, num_experts=1, num_experts_per_token=1, num_shared_experts=0,
-                        shared_expert_dim=None, latent_dim=None, dispatch="dense", balancing="none",
-                        rebalance_steps=0)
+                        shared_expert_dim=None, latent_dim=None, dispatch="dense", balancing="none", **knobs)
     base = replace(moe_model, moe=replace(dense_moe, expert_dim=multiple))
     target, at_base = flops_per_token(moe_model), flops_per_token(base)
     per_unit = 6 * moe_model.num_layers * 3 * moe_model.d_model  # FLOPs per token per unit of width
