@@ -5,6 +5,7 @@
     moelab demo                                    the open-lab loop `make demo` runs (cli/demo.py)
     moelab generate                                sample from a trained run (cli/generate.py)
     moelab export                                  safetensors / Hugging Face export of a run (cli/export.py)
+    moelab import                                  a Hugging Face MoE checkpoint as a run (cli/hf_import.py)
     moelab eval                                    loss / perplexity / bits per byte on your data (cli/evaluate.py)
     moelab data ...                                token stores: prepare, show (cli/data.py)
     moelab lab ...                                 pre-registered experiments (cli/lab.py)
@@ -28,6 +29,7 @@ from moelab.cli.demo import demo
 from moelab.cli.evaluate import evaluate
 from moelab.cli.export import export
 from moelab.cli.generate import generate
+from moelab.cli.hf_import import import_cmd
 from moelab.cli.lab import lab_app
 from moelab.cli.ladder import ladder_app
 from moelab.cli.plan import plan
@@ -48,6 +50,7 @@ app.command()(plan)
 app.command()(demo)
 app.command()(generate)
 app.command()(export)
+app.command("import")(import_cmd)
 app.command("eval")(evaluate)
 
 

@@ -1,0 +1,48 @@
+"""`moelab import`: a Hugging Face Mixtral or Glm4Moe checkpoint as a moelab run directory.
+
+    moelab import hf/my-mixtral --out runs/my-mixtral
+    moelab generate runs/my-mixtral --prompt "def "            # then like any run: generate, eval, plan, export
+
+The reading and mapping are `moelab.export.hf_import`'s; this module parses and prints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moelab.cli.common import JsonOpt, out_console
+
+__all__ = ["import_cmd"]
+
+
+def import_cmd(
+    hf_dir: Annotated[Path, typer.Argument(metavar="HF_DIR", help="A Hugging Face model folder: config.json and "
+                                                                   "*.safetensors (sharded or not), as save_pretrained "
+                                                                   "writes them.")],
+    out: Annotated[Path, typer.Option(help="The run directory to write (must not exist, unless --force).")],
+    force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists (only once the import is "
+                                                         "complete).")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Import a published MoE checkpoint (MixtralForCausalLM, Glm4MoeForCausalLM) as a moelab run.
+
+    Writes OUT/config.yaml, OUT/checkpoints/0 and the checkpoint's tokenizer.json; a config value moelab does
+    not model (a sliding window, group-limited routing, QK-norm, ...) is refused naming the field.
+    """
+    from moelab.export.hf_import import import_checkpoint
+
+    summary = import_checkpoint(hf_dir, out, force=force)
+    if json_out:
+        print(json.dumps(summary))
+        return
+    left = summary["tensors_left_out"]
+    out_console.print(f"Imported {hf_dir} ({summary['architecture']}: {summary['num_layers']} layers, d_model "
+                      f"{summary['d_model']}, {summary['num_experts']} experts top-{summary['top_k']}, "
+                      f"{summary['params'] / 1e6:,.1f}M parameters) into {out}; {summary['tensors_read']} tensors "
+                      f"read" + (f", {len(left)} left out ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})"
+                                 if left else "") + f"; tokenizer: {summary['tokenizer']}.",
+                      highlight=False, soft_wrap=True)

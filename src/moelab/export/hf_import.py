@@ -1,0 +1,296 @@
+"""`moelab import HF_DIR --out RUN_DIR`: a published Mixtral or Glm4Moe checkpoint as a moelab run.
+
+    summary = import_checkpoint("hf/my-mixtral", "runs/my-mixtral")
+    run = load_run("runs/my-mixtral")              # what `moelab generate`, `eval` and `export` read
+
+The inverse of the export's two Hugging Face layouts (`moelab.export.writer`, `moelab.export.glm4_moe`):
+`config.json` becomes a ModelConfig, each tensor of the (sharded) `*.safetensors` files is read one at a
+time (`safetensors.safe_open`: the file is memory-mapped, only the tensor asked for is read) and put in
+its place in moelab's stacked params, torch's [out, in] matrices transposed to moelab's [in, out].
+
+    MixtralForCausalLM   softmax router, top-k renormalized; block_sparse_moe.experts.e.w1 / w3 / w2
+    Glm4MoeForCausalLM   sigmoid router whose e_score_correction_bias (choose, do not weight) seeds moelab's
+                         router bias, norm_topk_prob, routed_scaling_factor, n_shared_experts fused into one
+                         SwiGLU of width n_shared_experts x moe_intermediate_size
+
+A config value moelab does not model is refused by name, never approximated: a sliding window,
+`n_group` > 1 (group-limited routing), dense first layers (`first_k_dense_replace`), a partial rotary
+factor, QK-norm, attention biases, a rope_scaling other than "default", an activation other than SiLU.
+Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
+them: their tensors (layer index >= num_hidden_layers) are left out, and the summary says so.
+
+The run directory holds `config.yaml` (the model as imported; `balancing: hist` for Glm4Moe, whose bias is
+a balancing bias, `none` for Mixtral; the embedded default data, and the checkpoint's `tokenizer.json`
+when it has one), `checkpoints/0` (the weights, fresh Adam moments, the router bias) and `tokenizer.json`.
+It is written under a temporary name and renamed into place when complete: bad input leaves nothing.
+Continuing training from it is issue 51's next part; generating, evaluating, planning and exporting work.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from moelab import presets
+from moelab.config import ModelConfig, MoEConfig, RunConfig, dump_yaml
+from moelab.errors import ConfigError, DataError
+from moelab.export.writer import INDEX, WEIGHTS
+from moelab.train import outputs
+from moelab.train.checkpoint import Checkpointer
+from moelab.train.state import TrainState, make_optimizer
+
+__all__ = ["ARCHITECTURES", "read_hf_config", "model_config", "tensor_files", "read_weights", "import_checkpoint"]
+
+ARCHITECTURES = ("MixtralForCausalLM", "Glm4MoeForCausalLM")
+MAX_SEQ_LEN = 4096  # the imported run's training sequence length: the model's own, up to this
+
+
+def read_hf_config(folder: Path) -> dict:
+    """config.json as a dict; DataError naming the file when it is missing or not a JSON object."""
+    path = folder / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist: pass a Hugging Face model folder (config.json and "
+                        "*.safetensors, as save_pretrained writes them).") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is not JSON ({e}); pass the folder save_pretrained wrote.") from None
+    if not isinstance(hf, dict):
+        raise DataError(f"{path} is not a JSON object; pass the folder save_pretrained wrote.")
+    return hf
+
+
+def _refuse(path: Path, field: str, value: Any, why: str) -> None:
+    raise ConfigError(f"{path}: {field}={value!r} is not something moelab models ({why}); it is refused rather "
+                      "than approximated.")
+
+
+def _rope_theta(hf: dict, path: Path) -> float:
+    rope = hf.get("rope_parameters") or {}
+    if hf.get("rope_scaling"):
+        _refuse(path, "rope_scaling", hf["rope_scaling"], "moelab's RoPE has no scaling")
+    if rope.get("rope_type", "default") != "default":
+        _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"), "moelab's RoPE is the default one")
+    for factor in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")):
+        if factor is not None and float(factor) != 1.0:
+            _refuse(path, "partial_rotary_factor", factor, "moelab rotates every dimension of a head")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
+    """(architecture, the ModelConfig that computes the same function); ConfigError naming what does not map."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{path}: architectures={hf.get('architectures')!r} is not one moelab imports: "
+                          f"{', '.join(ARCHITECTURES)}.")
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse(path, "hidden_act", hf.get("hidden_act"), "moelab's experts are SwiGLU")
+    if hf.get("attention_bias"):
+        _refuse(path, "attention_bias", True, "moelab's projections have no bias")
+    if hf.get("sliding_window") is not None:
+        _refuse(path, "sliding_window", hf["sliding_window"], "moelab attends causally over the whole sequence")
+    try:
+        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+        shape = dict(vocab_size=int(hf["vocab_size"]), d_model=d, num_layers=int(hf["num_hidden_layers"]),
+                     num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                     head_dim=int(hf.get("head_dim") or d // heads),
+                     seq_len=min(int(hf.get("max_position_embeddings") or MAX_SEQ_LEN), MAX_SEQ_LEN),
+                     norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf, path))
+        if arch == "MixtralForCausalLM":
+            moe = MoEConfig(num_experts=int(hf["num_local_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
+                            expert_dim=int(hf["intermediate_size"]), router_score="softmax", normalize_weights=True,
+                            balancing="none")
+        else:
+            for field, want in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 0)):
+                if int(hf.get(field, want) or want) != want:
+                    _refuse(path, field, hf[field], "group-limited routing and dense first layers are not modelled "
+                                                    "yet (issue 51)")
+            if hf.get("use_qk_norm"):
+                _refuse(path, "use_qk_norm", True, "moelab's attention has no QK-norm yet (issue 51)")
+            shared = int(hf.get("n_shared_experts") or 0)
+            moe = MoEConfig(num_experts=int(hf["n_routed_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
+                            expert_dim=int(hf["moe_intermediate_size"]), router_score="sigmoid",
+                            normalize_weights=bool(hf.get("norm_topk_prob", True)),
+                            routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                            num_shared_experts=1 if shared else 0,
+                            shared_expert_dim=shared * int(hf["moe_intermediate_size"]) if shared else None,
+                            balancing="hist")
+        return arch, ModelConfig(moe=moe, **shape)
+    except KeyError as e:
+        raise ConfigError(f"{path}: {e.args[0]} is missing; a {arch} config.json has it.") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{path}: a value is not a number where one is needed ({e}).") from None
+
+
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Each tensor's file: from model.safetensors.index.json (sharded) or the one model.safetensors."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{index} is not a safetensors index ({e}); save the model again.") from None
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / WEIGHTS
+    if not single.is_file():
+        raise DataError(f"{folder} has neither {WEIGHTS} nor {INDEX}: pass the folder save_pretrained wrote.")
+    from safetensors import safe_open
+
+    with _opened(single, safe_open) as f:
+        return {name: single for name in f.keys()}
+
+
+class _opened:
+    """`safe_open(path)` whose failures (a truncated or damaged header) are a DataError naming the file."""
+
+    def __init__(self, path: Path, safe_open):
+        self.path, self.safe_open, self.handle = path, safe_open, None
+
+    def __enter__(self):
+        try:
+            self.handle = self.safe_open(str(self.path), framework="numpy")
+            return self.handle.__enter__()
+        except FileNotFoundError:
+            raise DataError(f"{self.path} does not exist, but the index names it; save the model again.") from None
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise DataError(f"{self.path} is not a readable safetensors file ({type(e).__name__}: {e}).") from None
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+
+def _layer_names(arch: str, i: int, e: int | None = None) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    if e is not None:
+        if arch == "MixtralForCausalLM":
+            q = f"{p}block_sparse_moe.experts.{e}."
+            return {"w_gate": q + "w1.weight", "w_up": q + "w3.weight", "w_down": q + "w2.weight"}
+        q = f"{p}mlp.experts.{e}."
+        return {"w_gate": q + "gate_proj.weight", "w_up": q + "up_proj.weight", "w_down": q + "down_proj.weight"}
+    names = {"attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
+             "w_q": p + "self_attn.q_proj.weight", "w_k": p + "self_attn.k_proj.weight",
+             "w_v": p + "self_attn.v_proj.weight", "w_o": p + "self_attn.o_proj.weight"}
+    if arch == "MixtralForCausalLM":
+        return {**names, "w_router": p + "block_sparse_moe.gate.weight"}
+    return {**names, "w_router": p + "mlp.gate.weight", "router_bias": p + "mlp.gate.e_score_correction_bias",
+            "w_shared_gate": p + "mlp.shared_experts.gate_proj.weight",
+            "w_shared_up": p + "mlp.shared_experts.up_proj.weight",
+            "w_shared_down": p + "mlp.shared_experts.down_proj.weight"}
+
+
+def read_weights(folder: Path, arch: str, cfg: ModelConfig) -> tuple[dict, np.ndarray, list[str]]:
+    """(params as `transformer.init` lays them out, float32; the router bias [L, E]; tensors left out), reading
+    one tensor at a time. DataError naming the file and tensor when one is missing or has another shape."""
+    import jax
+
+    from moelab.model import transformer
+    from safetensors import safe_open
+
+    files = tensor_files(folder)
+    shapes = jax.eval_shape(lambda: transformer.init(cfg, jax.random.key(0)))
+    L, E = cfg.num_layers, cfg.moe.num_experts
+    layers = {key: np.zeros(leaf.shape, np.float32) for key, leaf in shapes["layers"].items()}
+    params = {key: np.zeros(leaf.shape, np.float32) for key, leaf in shapes.items() if key != "layers"}
+    bias = np.zeros((L, E), np.float32)
+    handles: dict[Path, Any] = {}
+
+    def read(name: str, shape: tuple, transpose: bool) -> np.ndarray:
+        if name not in files:
+            raise DataError(f"{folder}: tensor {name} is missing from the checkpoint ({arch} has it).")
+        path = files[name]
+        if path not in handles:
+            handles[path] = _opened(path, safe_open).__enter__()
+        try:
+            value = handles[path].get_tensor(name)
+        except Exception as e:  # a truncated payload, a dtype numpy cannot hold
+            raise DataError(f"{path}: tensor {name} cannot be read ({type(e).__name__}: {e}).") from None
+        value = np.asarray(value, np.float32)
+        value = value.T if transpose else value
+        if value.shape != tuple(shape):
+            raise DataError(f"{path}: tensor {name} has shape {list(value.shape)}, but config.json makes it "
+                            f"{list(shape)}{' (transposed)' if transpose else ''}.")
+        return value
+
+    try:
+        params["embed"] = read("model.embed_tokens.weight", params["embed"].shape, False)
+        params["final_norm"] = read("model.norm.weight", params["final_norm"].shape, False)
+        head = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"  # tied embeddings
+        params["lm_head"] = read(head, params["lm_head"].shape, True)
+        for i in range(L):
+            for key, name in _layer_names(arch, i).items():
+                if key == "router_bias":
+                    bias[i] = read(name, (E,), False)
+                elif key.startswith("w_shared") and cfg.moe.num_shared_experts == 0:
+                    continue
+                else:
+                    layers[key][i] = read(name, layers[key].shape[1:], key not in ("attn_norm", "mlp_norm"))
+            for e in range(E):
+                for key, name in _layer_names(arch, i, e).items():
+                    layers[key][i, e] = read(name, layers[key].shape[2:], True)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    used = {name for i in range(L) for e in [None, *range(E)] for name in _layer_names(arch, i, e).values()}
+    used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    left_out = sorted(set(files) - used)
+    return {**params, "layers": layers}, bias, left_out
+
+
+def _run_config(cfg: ModelConfig, name: str, tokenizer: str) -> RunConfig:
+    base = presets.get("tiny")
+    return replace(base, name=name, model=cfg, data=replace(base.data, tokenizer=tokenizer) if tokenizer != "byte"
+                   else base.data)
+
+
+def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = False) -> dict:
+    """Import the Hugging Face checkpoint in `folder` as the run directory `out` (see the module docstring).
+
+    Returns a summary: architecture, the model's shape, parameters, tensors read and left out, and files.
+    """
+    folder, out = Path(folder), Path(out)
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder: pass a Hugging Face model folder (config.json, *.safetensors).")
+    if out.exists() and not force:
+        raise ConfigError(f"--out {out} exists: pass a new folder, or --force to replace it once the import is done.")
+    hf = read_hf_config(folder)
+    arch, cfg = model_config(hf, folder / "config.json")
+    params, bias, left_out = read_weights(folder, arch, cfg)
+    tokenizer = folder / "tokenizer.json"
+    run_cfg = _run_config(cfg, out.name, outputs.TOKENIZER if tokenizer.is_file() else "byte")
+    if not tokenizer.is_file() and cfg.vocab_size < 257:
+        raise ConfigError(f"{folder} has no tokenizer.json, and its vocab_size={cfg.vocab_size} is too small for "
+                          "moelab's byte tokenizer (257 ids): put the model's tokenizer.json in the folder.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, staging / outputs.TOKENIZER)
+        (staging / outputs.CONFIG).write_text(dump_yaml(run_cfg))
+        as_jax = {k: jnp.asarray(v) for k, v in params.items() if k != "layers"}
+        as_jax["layers"] = {k: jnp.asarray(v) for k, v in params["layers"].items()}
+        state = TrainState(as_jax, make_optimizer(run_cfg.train).init(as_jax), jnp.asarray(bias),
+                           jnp.zeros((), jnp.int32), jnp.zeros_like(jnp.asarray(bias)))
+        checkpoints = Checkpointer(staging / outputs.CHECKPOINTS, run_cfg.checkpoint)
+        checkpoints.save(0, state, {"imported_from": str(folder.resolve()), "architecture": arch})
+        checkpoints.close()
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    count = sum(int(np.prod(v.shape)) for v in [*[p for k, p in params.items() if k != "layers"],
+                                                 *params["layers"].values()])
+    return {"architecture": arch, "out": str(out), "num_layers": cfg.num_layers, "d_model": cfg.d_model,
+            "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.num_experts_per_token, "params": count,
+            "tensors_read": len(tensor_files(folder)) - len(left_out), "tensors_left_out": left_out,
+            "tokenizer": "tokenizer.json" if tokenizer.is_file() else "byte", "seq_len": cfg.seq_len}
