@@ -202,3 +202,10 @@ def test_group_limited_routing_and_qk_norm_are_refused_by_name(imported, tmp_pat
         _edit_config(**{field: value})(copy)
         code, _, err = run_cli(["import", str(copy), "--out", str(tmp_path / field / "run")], monkeypatch, capsys)
         assert code == 2 and field in err, err
+
+
+def test_training_from_an_import_is_refused_by_name_until_it_is_supported(imported, monkeypatch, capsys):
+    """Not silently restarted from scratch, not a traceback: exit 2 saying what works instead."""
+    _, _, _, out = imported["mixtral"]
+    code, _, err = run_cli(["train", str(out / "config.yaml"), "--out", str(out), "--steps", "2"], monkeypatch, capsys)
+    assert code == 2 and "imported from" in err and "issue 51" in " ".join(err.split()), err

@@ -42,7 +42,7 @@ def import_cmd(
     left = summary["tensors_left_out"]
     out_console.print(f"Imported {hf_dir} ({summary['architecture']}: {summary['num_layers']} layers, d_model "
                       f"{summary['d_model']}, {summary['num_experts']} experts top-{summary['top_k']}, "
-                      f"{summary['params'] / 1e6:,.1f}M parameters) into {out}; {summary['tensors_read']} tensors "
+                      f"{summary['params']:,} parameters) into {out}; {summary['tensors_read']} tensors "
                       f"read" + (f", {len(left)} left out ({', '.join(left[:3])}{', ...' if len(left) > 3 else ''})"
                                  if left else "") + f"; tokenizer: {summary['tokenizer']}.",
                       highlight=False, soft_wrap=True)

@@ -318,6 +318,11 @@ def _resume(cfg: RunConfig, out: Path, hooks: Hooks, checkpoints: Checkpointer, 
         checkpoints.close()
         raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={cfg.train.steps}: pass "
                           f"--steps {start} or more to continue it, or a new --out for a shorter run.")
+    if restored is not None and "imported_from" in restored.meta:  # `moelab import`: weights, no run to resume
+        checkpoints.close()
+        raise ConfigError(f"{out} holds a checkpoint imported from {restored.meta['imported_from']} "
+                          "(`moelab import`): continuing training from an import is not supported yet (issue 51). "
+                          "Generate, evaluate, plan and export it as any run.")
     if restored is not None and hooks.on_resume:
         hooks.on_resume(start, checkpoints.directory / str(start))
     # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
