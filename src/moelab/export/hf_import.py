@@ -21,9 +21,11 @@ them: their tensors (layer index >= num_hidden_layers) are left out, and the sum
 
 The run directory holds `config.yaml` (the model as imported; `balancing: hist` for Glm4Moe, whose bias is
 a balancing bias, `none` for Mixtral; the embedded default data, and the checkpoint's `tokenizer.json`
-when it has one), `checkpoints/0` (the weights, fresh Adam moments, the router bias) and `tokenizer.json`.
-It is written under a temporary name and renamed into place when complete: bad input leaves nothing.
-Continuing training from it is issue 51's next part; generating, evaluating, planning and exporting work.
+when it has one), `checkpoints/0` (the weights, fresh Adam moments, the router bias), `tokenizer.json` and
+`imported.json` (the source). It is written under a temporary name and renamed into place when complete:
+bad input leaves nothing. `moelab train RUN_DIR/config.yaml --out RUN_DIR` continues from it (any config
+that keeps the weights' shapes: another dispatch, mesh, balancing, LR, data or step count), starting at
+step 0 from the imported weights and router bias; from its first checkpoint on it resumes as any run.
 """
 
 from __future__ import annotations
@@ -279,6 +281,7 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
         as_jax["layers"] = {k: jnp.asarray(v) for k, v in params["layers"].items()}
         state = TrainState(as_jax, make_optimizer(run_cfg.train).init(as_jax), jnp.asarray(bias),
                            jnp.zeros((), jnp.int32), jnp.zeros_like(jnp.asarray(bias)))
+        (staging / outputs.IMPORTED).write_text(json.dumps({"source": str(folder.resolve()), "architecture": arch}) + "\n")
         checkpoints = Checkpointer(staging / outputs.CHECKPOINTS, run_cfg.checkpoint)
         checkpoints.save(0, state, {"imported_from": str(folder.resolve()), "architecture": arch})
         checkpoints.close()

@@ -268,6 +268,17 @@ def config_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]
     return changed_fields(to_dict(old), to_dict(new))
 
 
+def check_same_weights(old: RunConfig, new: RunConfig) -> None:
+    """ConfigError naming the changed model fields when `new`'s parameters are not shaped as `old`'s."""
+    shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(lambda m=c.model: transformer.init(m, jax.random.key(0))))
+              for c in (old, new)]
+    if shapes[0] != shapes[1]:
+        changed = [k for k in config_changes(old, new) if k.startswith("model.")]
+        raise ConfigError(f"the imported weights are shaped by the config they came with; "
+                          f"{', '.join(changed) or 'the model'} changes their shapes. Keep the model's shape "
+                          "(the dispatch, balancing, remat, training and data settings may change).")
+
+
 def check_resumable(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
     """The safe changes between a run's saved config and the one resuming it; ConfigError if any is unsafe."""
     changes = config_changes(old, new)
@@ -318,11 +329,12 @@ def _resume(cfg: RunConfig, out: Path, hooks: Hooks, checkpoints: Checkpointer, 
         checkpoints.close()
         raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={cfg.train.steps}: pass "
                           f"--steps {start} or more to continue it, or a new --out for a shorter run.")
-    if restored is not None and "imported_from" in restored.meta:  # `moelab import`: weights, no run to resume
-        checkpoints.close()
-        raise ConfigError(f"{out} holds a checkpoint imported from {restored.meta['imported_from']} "
-                          "(`moelab import`): continuing training from an import is not supported yet (issue 51). "
-                          "Generate, evaluate, plan and export it as any run.")
+    if restored is not None and "imported_from" in restored.meta:
+        # `moelab import`'s checkpoint: its weights and router bias start this run at step 0 (fresh Adam moments,
+        # fresh logs, the initial eval taken on them); later checkpoints resume as in any run.
+        hooks.stage(f"starting from the weights imported from {restored.meta['imported_from']}")
+        state = state._replace(params=restored.state.params, router_bias=restored.state.router_bias)
+        return _Start(0, state, None, outputs.read_logs_until(out, 0))
     if restored is not None and hooks.on_resume:
         hooks.on_resume(start, checkpoints.directory / str(start))
     # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
@@ -383,7 +395,11 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     for watcher in watchers:
         watcher.check_run(cfg)
     config_path = out / outputs.CONFIG
-    changes = check_resumable(load_yaml(config_path), cfg) if config_path.is_file() else {}
+    changes = {}
+    if config_path.is_file() and (out / outputs.IMPORTED).is_file() and not (out / outputs.METRICS).is_file():
+        check_same_weights(load_yaml(config_path), cfg)  # an import not trained yet: any config of its shapes
+    elif config_path.is_file():
+        changes = check_resumable(load_yaml(config_path), cfg)
     mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
     corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
     t, m = cfg.train, cfg.model

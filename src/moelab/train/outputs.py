@@ -40,7 +40,7 @@ from moelab.files import atomic_path
 __all__ = ["CONFIG", "METRICS", "INCIDENTS", "MIXTURE_LOG", "SAMPLES", "ROUTER_LOAD", "RESUMES", "SUMMARY",
            "DATA", "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
            "read_summary", "finished_summary", "open_run_file", "write_config", "append_resume", "write_summary",
-           "write_data", "TOKENIZER", "write_tokenizer"]
+           "write_data", "TOKENIZER", "write_tokenizer", "IMPORTED"]
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -52,6 +52,9 @@ RESUMES = "resumes.jsonl"
 SUMMARY = "summary.json"
 DATA = "data.json"
 TOKENIZER = "tokenizer.json"
+# Written by `moelab import` (its source and architecture): until the run logs its first step, `train` starts
+# from the imported weights with any config that keeps their shapes.
+IMPORTED = "imported.json"
 CHECKPOINTS = "checkpoints"
 LOGS = (METRICS, INCIDENTS, MIXTURE_LOG, SAMPLES, ROUTER_LOAD)  # cut back to the checkpoint on a resume
 
