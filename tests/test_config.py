@@ -315,3 +315,18 @@ def test_a_knob_of_another_balancer_is_refused_naming_it(balancing, knob, value)
     with pytest.raises(ConfigError, match=rf"model.moe.{knob}=.*only balancing .* reads it.*uses balancing '{balancing}'"):
         MoEConfig(balancing=balancing, num_experts=8, num_experts_per_token=2, **{knob: value})
     MoEConfig(balancing=balancing, **{knob: MoEConfig.__dataclass_fields__[knob].default})  # the default is fine
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "full"])
+def test_accounting_counts_the_qk_norm_gains_the_model_initializes(qk_norm):
+    import jax
+    import numpy as np
+
+    from moelab.model import transformer
+
+    cfg = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=8, qk_norm=qk_norm,
+                      moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=24))
+    params = transformer.init(cfg, jax.random.key(0))
+    assert accounting.count_params(cfg).total == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    with pytest.raises(ConfigError, match="model.qk_norm"):
+        ModelConfig(qk_norm="layer")

@@ -19,18 +19,26 @@ from moelab.parallel.ep import make_dispatch
 CFG = presets.resolve("tiny", {}).model
 
 
-def _peaked_params():
+def _peaked_params(cfg=CFG):
     """tiny's random init with the embedding and head scaled up: at init the logits are nearly flat and greedy
     decoding repeats one byte, which would let a broken cache pass; scaled, the argmax changes every token."""
-    params = transformer.init(CFG, jax.random.key(0))
-    return {**params, "embed": 50 * params["embed"], "lm_head": 20 * params["lm_head"]}
+    params = transformer.init(cfg, jax.random.key(0))
+    params = {**params, "embed": 50 * params["embed"], "lm_head": 20 * params["lm_head"]}
+    if cfg.qk_norm is not None:  # gains away from one, so a cache that skipped the norm would decode otherwise
+        layers = params["layers"]
+        params["layers"] = {**layers, **{k: 1 + 0.5 * jax.random.normal(jax.random.key(7), layers[k].shape)
+                                         for k in ("q_norm", "k_norm")}}
+    return params
 
 
-def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token():
-    params = _peaked_params()
-    bias = 0.1 * jax.random.normal(jax.random.key(1), (CFG.num_layers, CFG.moe.num_experts))  # biased selection
+@pytest.mark.parametrize("qk_norm", [None, "full"])
+def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token(qk_norm):
+    """Also with QK-norm over the whole projection (OLMoE's, issue 51): the cache normalizes as the forward does."""
+    cfg = dataclasses.replace(CFG, qk_norm=qk_norm)
+    params = _peaked_params(cfg)
+    bias = 0.1 * jax.random.normal(jax.random.key(1), (cfg.num_layers, cfg.moe.num_experts))  # biased selection
     prompt = np.asarray(jax.random.randint(jax.random.key(2), (2, 11), 0, 256))
-    sampler = decode.make_sampler(CFG, decode.Sampling(temperature=0), 257)
+    sampler = decode.make_sampler(cfg, decode.Sampling(temperature=0), 257)
     key = jax.random.key(0)
     cache, token = sampler.prefill(params, bias, jnp.asarray(prompt), key)
     cached = [np.asarray(token)]
@@ -42,8 +50,8 @@ def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token():
 
     # The oracle: one full forward over the whole sequence per new token (jitted once on a fixed-length buffer;
     # causal attention keeps the zeros past the filled positions out of the logits read).
-    dropless = make_dispatch(dataclasses.replace(CFG.moe, dispatch="dropless"))
-    full = jax.jit(lambda tokens: transformer.apply(params, tokens, CFG, bias, dispatch=dropless)[0])
+    dropless = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
+    full = jax.jit(lambda tokens: transformer.apply(params, tokens, cfg, bias, dispatch=dropless)[0])
     P, new = prompt.shape[1], 31
     buf = np.zeros((2, P + new), np.int32)
     buf[:, :P] = prompt
@@ -53,7 +61,7 @@ def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token():
     assert len(set(recomputed[0].tolist())) > 5  # a varied continuation, not one repeated byte
     np.testing.assert_array_equal(cached, recomputed)
     # The last cached step's logits are the full forward's at that position (float32 rounding apart).
-    step_logits, _ = jax.jit(decode.apply_cached, static_argnums=2)(params, last_token[:, None], CFG, bias, last_cache)
+    step_logits, _ = jax.jit(decode.apply_cached, static_argnums=2)(params, last_token[:, None], cfg, bias, last_cache)
     assert relative_error(step_logits[:, 0], full(jnp.asarray(buf))[:, P + new - 2]) < 1e-5
 
 

@@ -32,6 +32,8 @@ def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
     heads = cfg.num_heads * cfg.dim_per_head
     kv = cfg.num_kv_heads * cfg.dim_per_head
     attention = d * heads + 2 * d * kv + heads * d
+    if cfg.qk_norm is not None:  # the queries' and keys' RMSNorm gains
+        attention += 2 * cfg.dim_per_head if cfg.qk_norm == "head" else heads + kv
     norms = 2 * d
     router = d * moe.num_experts
     d_in = cfg.expert_input_dim

@@ -97,6 +97,7 @@ BALANCER_KNOBS = {"none": (), "exact": ("balance_rate", "rebalance_steps", "reba
                   "sign": ("sign_gamma",), "aux": ("aux_loss_weight",)}
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "dots", "full")  # what a block saves for the backward pass (`transformer._remat`)
+QK_NORMS = ("head", "full")  # `ModelConfig.qk_norm`: over each head, or over the whole projection
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,10 @@ class ModelConfig:
     # routes alike (issue 39, benchmarks/early_training.py).
     embed_std: float = 0.02
     remat: str = "none"  # none: save everything; dots: save matmul outputs, recompute the rest; full: save inputs
+    qk_norm: str | None = None
+    """RMSNorm of the queries and keys before RoPE, with learned gains: None (off), "head" (over each head's
+    dim_per_head, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
+    projection, num_heads x dim_per_head for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -251,6 +256,8 @@ class ModelConfig:
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _check(self.embed_std > 0, p + "embed_std", self.embed_std, "must be > 0")
         _one_of(p + "remat", self.remat, REMAT)
+        if self.qk_norm is not None:
+            _one_of(p + "qk_norm", self.qk_norm, QK_NORMS)
         _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
         if self.moe.latent_dim is not None:
             _check(self.moe.latent_dim < self.d_model, "model.moe.latent_dim", self.moe.latent_dim,

@@ -52,6 +52,8 @@ def glm4_moe_mismatch(cfg: ModelConfig) -> str | None:
                 "up-projection around SwiGLU experts, which no transformers class has (NemotronH has the projections "
                 "but no norm and non-gated experts), and the norm keeps them from folding into the experts; train "
                 "with model.moe.latent_dim: null for a model transformers loads")
+    if cfg.qk_norm == "full":
+        return "model.qk_norm='full' (Glm4Moe's QK-norm is per head: model.qk_norm='head')"
     if m.router_score != "sigmoid":
         return f"model.moe.router_score={m.router_score!r} (Glm4Moe, like DeepSeek-V3, scores with sigmoid)"
     if m.num_experts < 2:
@@ -103,7 +105,8 @@ def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.dim_per_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "partial_rotary_factor": 1.0, "rope_parameters": rope, "attention_bias": False, "use_qk_norm": False,
+        "partial_rotary_factor": 1.0, "rope_parameters": rope, "attention_bias": False,
+        "use_qk_norm": cfg.qk_norm == "head",
         "attention_dropout": 0.0, "tie_word_embeddings": False,
         "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,
         "moe_intermediate_size": m.expert_dim, "intermediate_size": m.expert_dim,  # the latter sizes dense layers: none

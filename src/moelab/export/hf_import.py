@@ -1,4 +1,4 @@
-"""`moelab import HF_DIR --out RUN_DIR`: a published Mixtral or Glm4Moe checkpoint as a moelab run.
+"""`moelab import HF_DIR --out RUN_DIR`: a published Mixtral, Glm4Moe, Qwen3-MoE or OLMoE checkpoint as a moelab run.
 
     summary = import_checkpoint("hf/my-mixtral", "runs/my-mixtral")
     run = load_run("runs/my-mixtral")              # what `moelab generate`, `eval` and `export` read
@@ -11,11 +11,14 @@ its place in moelab's stacked params, torch's [out, in] matrices transposed to m
     MixtralForCausalLM   softmax router, top-k renormalized; block_sparse_moe.experts.e.w1 / w3 / w2
     Glm4MoeForCausalLM   sigmoid router whose e_score_correction_bias (choose, do not weight) seeds moelab's
                          router bias, norm_topk_prob, routed_scaling_factor, n_shared_experts fused into one
-                         SwiGLU of width n_shared_experts x moe_intermediate_size
+                         SwiGLU of width n_shared_experts x moe_intermediate_size; use_qk_norm per head
+    Qwen3MoeForCausalLM  softmax router, top-k renormalized or not (norm_topk_prob); QK-norm per head
+    OlmoeForCausalLM     softmax router, top-k not renormalized (norm_topk_prob); QK-norm over the projection
 
 A config value moelab does not model is refused by name, never approximated: a sliding window,
-`n_group` > 1 (group-limited routing), dense first layers (`first_k_dense_replace`), a partial rotary
-factor, QK-norm, attention biases, a rope_scaling other than "default", an activation other than SiLU.
+`n_group` > 1 (group-limited routing), dense layers among the MoE ones (`first_k_dense_replace`,
+`mlp_only_layers`, `decoder_sparse_step`), a partial rotary factor, `clip_qkv`, attention biases, a
+rope_scaling other than "default", an activation other than SiLU.
 Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
 them: their tensors (layer index >= num_hidden_layers) are left out, and the summary says so.
 
@@ -50,7 +53,7 @@ from moelab.train.state import TrainState, make_optimizer
 
 __all__ = ["ARCHITECTURES", "read_hf_config", "model_config", "tensor_files", "read_weights", "import_checkpoint"]
 
-ARCHITECTURES = ("MixtralForCausalLM", "Glm4MoeForCausalLM")
+ARCHITECTURES = ("MixtralForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 MAX_SEQ_LEN = 4096  # the imported run's training sequence length: the model's own, up to this
 
 
@@ -109,13 +112,31 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
             moe = MoEConfig(num_experts=int(hf["num_local_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=int(hf["intermediate_size"]), router_score="softmax", normalize_weights=True,
                             balancing="none")
+        elif arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
+            if arch == "Qwen3MoeForCausalLM":
+                if hf.get("use_sliding_window"):
+                    _refuse(path, "use_sliding_window", True, "moelab attends causally over the whole sequence")
+                if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
+                    _refuse(path, "mlp_only_layers / decoder_sparse_step",
+                            [hf.get("mlp_only_layers"), hf.get("decoder_sparse_step")],
+                            "every moelab block is a MoE block")
+                width, qk = int(hf["moe_intermediate_size"]), "head"
+            else:
+                if hf.get("clip_qkv") is not None:
+                    _refuse(path, "clip_qkv", hf["clip_qkv"], "moelab does not clip its projections")
+                width, qk = int(hf["intermediate_size"]), "full"
+            experts = hf.get("num_experts") or hf.get("num_local_experts")
+            if experts is None:
+                raise KeyError("num_experts")
+            moe = MoEConfig(num_experts=int(experts), num_experts_per_token=int(hf["num_experts_per_tok"]),
+                            expert_dim=width, router_score="softmax",
+                            normalize_weights=bool(hf.get("norm_topk_prob", False)), balancing="none")
+            return arch, ModelConfig(moe=moe, qk_norm=qk, **shape)
         else:
             for field, want in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 0)):
                 if int(hf.get(field, want) or want) != want:
                     _refuse(path, field, hf[field], "group-limited routing and dense first layers are not modelled "
                                                     "yet (issue 51)")
-            if hf.get("use_qk_norm"):
-                _refuse(path, "use_qk_norm", True, "moelab's attention has no QK-norm yet (issue 51)")
             shared = int(hf.get("n_shared_experts") or 0)
             moe = MoEConfig(num_experts=int(hf["n_routed_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=int(hf["moe_intermediate_size"]), router_score="sigmoid",
@@ -124,6 +145,7 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                             num_shared_experts=1 if shared else 0,
                             shared_expert_dim=shared * int(hf["moe_intermediate_size"]) if shared else None,
                             balancing="hist")
+            return arch, ModelConfig(moe=moe, qk_norm="head" if hf.get("use_qk_norm") else None, **shape)
         return arch, ModelConfig(moe=moe, **shape)
     except KeyError as e:
         raise ConfigError(f"{path}: {e.args[0]} is missing; a {arch} config.json has it.") from None
@@ -170,7 +192,7 @@ class _opened:
         return self.handle.__exit__(*exc)
 
 
-def _layer_names(arch: str, i: int, e: int | None = None) -> dict[str, str]:
+def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False) -> dict[str, str]:
     p = f"model.layers.{i}."
     if e is not None:
         if arch == "MixtralForCausalLM":
@@ -181,8 +203,12 @@ def _layer_names(arch: str, i: int, e: int | None = None) -> dict[str, str]:
     names = {"attn_norm": p + "input_layernorm.weight", "mlp_norm": p + "post_attention_layernorm.weight",
              "w_q": p + "self_attn.q_proj.weight", "w_k": p + "self_attn.k_proj.weight",
              "w_v": p + "self_attn.v_proj.weight", "w_o": p + "self_attn.o_proj.weight"}
+    if qk_norm:
+        names.update({"q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight"})
     if arch == "MixtralForCausalLM":
         return {**names, "w_router": p + "block_sparse_moe.gate.weight"}
+    if arch != "Glm4MoeForCausalLM":
+        return {**names, "w_router": p + "mlp.gate.weight"}
     return {**names, "w_router": p + "mlp.gate.weight", "router_bias": p + "mlp.gate.e_score_correction_bias",
             "w_shared_gate": p + "mlp.shared_experts.gate_proj.weight",
             "w_shared_up": p + "mlp.shared_experts.up_proj.weight",
@@ -228,20 +254,21 @@ def read_weights(folder: Path, arch: str, cfg: ModelConfig) -> tuple[dict, np.nd
         head = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"  # tied embeddings
         params["lm_head"] = read(head, params["lm_head"].shape, True)
         for i in range(L):
-            for key, name in _layer_names(arch, i).items():
+            for key, name in _layer_names(arch, i, qk_norm=cfg.qk_norm is not None).items():
                 if key == "router_bias":
                     bias[i] = read(name, (E,), False)
                 elif key.startswith("w_shared") and cfg.moe.num_shared_experts == 0:
                     continue
                 else:
-                    layers[key][i] = read(name, layers[key].shape[1:], key not in ("attn_norm", "mlp_norm"))
+                    layers[key][i] = read(name, layers[key].shape[1:], key.startswith("w_"))
             for e in range(E):
                 for key, name in _layer_names(arch, i, e).items():
                     layers[key][i, e] = read(name, layers[key].shape[2:], True)
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
-    used = {name for i in range(L) for e in [None, *range(E)] for name in _layer_names(arch, i, e).values()}
+    used = {name for i in range(L) for e in [None, *range(E)]
+            for name in _layer_names(arch, i, e, qk_norm=cfg.qk_norm is not None).values()}
     used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     left_out = sorted(set(files) - used)
     return {**params, "layers": layers}, bias, left_out

@@ -32,4 +32,7 @@ def decoder_tensors(params: dict, dtype: np.dtype) -> dict[str, np.ndarray]:
             p + "self_attn.v_proj.weight": as_dtype(layers["w_v"][i], dtype).T,
             p + "self_attn.o_proj.weight": as_dtype(layers["w_o"][i], dtype).T,
         })
+        if "q_norm" in layers:  # `model.qk_norm`: the gains of the queries' and keys' RMSNorm
+            tensors.update({p + "self_attn.q_norm.weight": as_dtype(layers["q_norm"][i], dtype),
+                            p + "self_attn.k_norm.weight": as_dtype(layers["k_norm"][i], dtype)})
     return tensors

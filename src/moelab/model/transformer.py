@@ -25,7 +25,8 @@ from moelab.model import moe
 from moelab.model.dispatch import EXPERT_MATMUL, Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
 
-__all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "causal_attention", "apply_rope"]
+__all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "qk_norm", "causal_attention",
+           "apply_rope"]
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"}
 # Lays out one layer's params for use, inside the scan body (`moelab.parallel.mesh.gather_for_use`: a split
@@ -42,7 +43,12 @@ def _init_layer(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
     D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
     k_q, k_k, k_v, k_o, k_moe = jax.random.split(key, 5)
     out_std = residual_init_std(cfg.num_layers)
+    qk_norms = {}
+    if cfg.qk_norm is not None:  # gains of the queries' and keys' RMSNorm: per head dim, or per projection dim
+        qk_norms = {"q_norm": jnp.ones((H if cfg.qk_norm == "head" else N * H,), jnp.float32),
+                    "k_norm": jnp.ones((H if cfg.qk_norm == "head" else K * H,), jnp.float32)}
     return {
+        **qk_norms,
         "attn_norm": jnp.ones((D,), jnp.float32),
         "w_q": INIT_STD * jax.random.normal(k_q, (D, N * H), jnp.float32),
         "w_k": INIT_STD * jax.random.normal(k_k, (D, K * H), jnp.float32),
@@ -134,6 +140,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def qk_norm(layer: dict[str, jax.Array], q: jax.Array, k: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """`cfg.qk_norm`'s RMSNorm of q [B, S, N*H] and k [B, S, K*H] (in float32, back in their dtype), before RoPE:
+    over each head's H dimensions with one [H] gain ("head"), or over the whole projection ("full")."""
+    if cfg.qk_norm is None:
+        return q, k
+    H = cfg.dim_per_head
+
+    def norm(x, gain):
+        shaped = x.reshape(*x.shape[:-1], -1, H) if cfg.qk_norm == "head" else x
+        return rms_norm(shaped, gain, cfg.norm_eps).reshape(x.shape).astype(x.dtype)
+
+    return norm(q, layer["q_norm"]), norm(k, layer["k_norm"])
+
+
 def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
     """Causal grouped-query self-attention with RoPE.
 
@@ -150,8 +170,10 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
     x = x.astype(compute_dtype)
     w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
-    q = jnp.einsum("bsd,dh->bsh", x, w["w_q"]).reshape(B, S, N, H)
-    k = jnp.einsum("bsd,dh->bsh", x, w["w_k"]).reshape(B, S, K, H)
+    q = jnp.einsum("bsd,dh->bsh", x, w["w_q"])
+    k = jnp.einsum("bsd,dh->bsh", x, w["w_k"])
+    q, k = qk_norm(layer, q, k, cfg)
+    q, k = q.reshape(B, S, N, H), k.reshape(B, S, K, H)
     v = jnp.einsum("bsd,dh->bsh", x, w["w_v"]).reshape(B, S, K, H)
     q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
