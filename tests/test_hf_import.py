@@ -40,7 +40,7 @@ def _glm4_moe(tmp_path):
     cfg = Glm4MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=1, topk_group=1,
-                        first_k_dense_replace=0, partial_rotary_factor=1.0, use_qk_norm=True, norm_topk_prob=True,
+                        first_k_dense_replace=0, partial_rotary_factor=0.5, use_qk_norm=True, norm_topk_prob=True,
                         routed_scaling_factor=2.5, max_position_embeddings=LENGTH)
     model = Glm4MoeForCausalLM(cfg)
     with torch.no_grad():  # a correction bias that changes choices: a bias bug cannot pass unseen
@@ -229,11 +229,11 @@ def test_a_folder_moelab_cannot_import_exits_2_naming_the_file_and_field_and_wri
 
 
 @pytest.mark.parametrize("name, field, value", [
-    ("glm4_moe", "n_group", 2), ("glm4_moe", "first_k_dense_replace", 1), ("glm4_moe", "partial_rotary_factor", 0.5),
+    ("glm4_moe", "n_group", 2), ("glm4_moe", "first_k_dense_replace", 1), ("mixtral", "rope_scaling", {"factor": 2}),
     ("qwen3_moe", "mlp_only_layers", [0]), ("qwen3_moe", "use_sliding_window", True), ("olmoe", "clip_qkv", 8.0),
 ])
 def test_values_moelab_does_not_model_are_refused_by_name(imported, name, field, value, tmp_path, monkeypatch, capsys):
-    """Group-limited routing, dense layers, partial RoPE, sliding windows, clipped projections: refused naming the
+    """Group-limited routing, dense layers, RoPE scaling, sliding windows, clipped projections: refused naming the
     field, never approximated (issue 51's next part adds the first two to the model)."""
     _, folder, _, _ = imported[name]
     copy = _copy(folder, tmp_path)

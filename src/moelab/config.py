@@ -217,6 +217,7 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model // num_heads
     seq_len: int = 64
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # the share of each head's dimensions RoPE rotates (GLM-4.5: 0.5); the rest pass as is
     norm_eps: float = 1e-6
     z_loss_weight: float = 0.0  # weight of the squared log-partition term; 0 disables it
     # Init std of the token embedding. Against 0.02, attention's output at init (close to each
@@ -253,6 +254,9 @@ class ModelConfig:
             f"must divide model.num_heads={self.num_heads} (grouped-query attention)",
         )
         _check(self.rope_theta > 0, p + "rope_theta", self.rope_theta, "must be > 0")
+        _check(0 < self.rope_fraction <= 1 and int(self.dim_per_head * self.rope_fraction) % 2 == 0
+               and int(self.dim_per_head * self.rope_fraction) > 0, p + "rope_fraction", self.rope_fraction,
+               f"must be in (0, 1] and rotate an even, non-zero number of the head's {self.dim_per_head} dimensions")
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _check(self.embed_std > 0, p + "embed_std", self.embed_std, "must be > 0")
         _one_of(p + "remat", self.remat, REMAT)

@@ -12,8 +12,9 @@ come out of `kv_a_layernorm`, a per-token RMSNorm of the KV latent that is not l
 
 The mapping, per layer (moelab's [in, out] matrices become torch's [out, in]):
 
-    w_q / w_k / w_v / w_o         -> self_attn.q_proj / k_proj / v_proj / o_proj (no bias, no qk-norm,
-                                     partial_rotary_factor 1: RoPE on the whole head, rotate-halves layout)
+    w_q / w_k / w_v / w_o         -> self_attn.q_proj / k_proj / v_proj / o_proj (no bias; rotate-halves RoPE
+                                     on model.rope_fraction of each head: partial_rotary_factor)
+    q_norm / k_norm               -> self_attn.q_norm / k_norm (model.qk_norm 'head': use_qk_norm)
     w_router, router_bias         -> mlp.gate.weight, mlp.gate.e_score_correction_bias (float32 always)
     w_gate / w_up / w_down [e]    -> mlp.experts.e.gate_proj / up_proj / down_proj
     w_shared_*                    -> mlp.shared_experts.*, zero-padded to n_shared_experts * expert_dim
@@ -99,13 +100,13 @@ def glm4_moe_tensors(params: dict, router_bias: np.ndarray, cfg: ModelConfig, dt
 def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
     """config.json for `Glm4MoeForCausalLM` (the settings the module docstring explains)."""
     m = cfg.moe
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rope_fraction}
     return {
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.dim_per_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "partial_rotary_factor": 1.0, "rope_parameters": rope, "attention_bias": False,
+        "partial_rotary_factor": cfg.rope_fraction, "rope_parameters": rope, "attention_bias": False,
         "use_qk_norm": cfg.qk_norm == "head",
         "attention_dropout": 0.0, "tie_word_embeddings": False,
         "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,

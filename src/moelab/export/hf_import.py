@@ -11,14 +11,15 @@ its place in moelab's stacked params, torch's [out, in] matrices transposed to m
     MixtralForCausalLM   softmax router, top-k renormalized; block_sparse_moe.experts.e.w1 / w3 / w2
     Glm4MoeForCausalLM   sigmoid router whose e_score_correction_bias (choose, do not weight) seeds moelab's
                          router bias, norm_topk_prob, routed_scaling_factor, n_shared_experts fused into one
-                         SwiGLU of width n_shared_experts x moe_intermediate_size; use_qk_norm per head
+                         SwiGLU of width n_shared_experts x moe_intermediate_size; use_qk_norm per head;
+                         partial_rotary_factor (model.rope_fraction)
     Qwen3MoeForCausalLM  softmax router, top-k renormalized or not (norm_topk_prob); QK-norm per head
     OlmoeForCausalLM     softmax router, top-k not renormalized (norm_topk_prob); QK-norm over the projection
 
 A config value moelab does not model is refused by name, never approximated: a sliding window,
 `n_group` > 1 (group-limited routing), dense layers among the MoE ones (`first_k_dense_replace`,
-`mlp_only_layers`, `decoder_sparse_step`), a partial rotary factor, `clip_qkv`, attention biases, a
-rope_scaling other than "default", an activation other than SiLU.
+`mlp_only_layers`, `decoder_sparse_step`), `clip_qkv`, attention biases, a rope_scaling other than
+"default", an activation other than SiLU.
 Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
 them: their tensors (layer index >= num_hidden_layers) are left out, and the summary says so.
 
@@ -77,16 +78,17 @@ def _refuse(path: Path, field: str, value: Any, why: str) -> None:
                       "than approximated.")
 
 
-def _rope_theta(hf: dict, path: Path) -> float:
+def _rope(hf: dict, path: Path) -> tuple[float, float]:
+    """(rope_theta, the share of each head RoPE rotates)."""
     rope = hf.get("rope_parameters") or {}
     if hf.get("rope_scaling"):
         _refuse(path, "rope_scaling", hf["rope_scaling"], "moelab's RoPE has no scaling")
     if rope.get("rope_type", "default") != "default":
         _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"), "moelab's RoPE is the default one")
-    for factor in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")):
-        if factor is not None and float(factor) != 1.0:
-            _refuse(path, "partial_rotary_factor", factor, "moelab rotates every dimension of a head")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    factors = {float(f) for f in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")) if f is not None}
+    if len(factors) > 1:
+        _refuse(path, "partial_rotary_factor", sorted(factors), "config.json gives two different values")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), factors.pop() if factors else 1.0
 
 
 def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
@@ -107,7 +109,8 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                      head_dim=int(hf.get("head_dim") or d // heads),
                      seq_len=min(int(hf.get("max_position_embeddings") or MAX_SEQ_LEN), MAX_SEQ_LEN),
-                     norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf, path))
+                     norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+        shape["rope_theta"], shape["rope_fraction"] = _rope(hf, path)
         if arch == "MixtralForCausalLM":
             moe = MoEConfig(num_experts=int(hf["num_local_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=int(hf["intermediate_size"]), router_score="softmax", normalize_weights=True,

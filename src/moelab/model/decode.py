@@ -156,7 +156,8 @@ def _cached_attention(layer: dict[str, jax.Array], x: jax.Array, k_cache: jax.Ar
                                cfg)
     q, k = q.reshape(B, T, N, H), k.reshape(B, T, K, H)
     v = jnp.einsum("btd,dh->bth", x, w["w_v"]).reshape(B, T, K, H)
-    q, k = transformer.apply_rope(q, cfg.rope_theta, start), transformer.apply_rope(k, cfg.rope_theta, start)
+    q = transformer.apply_rope(q, cfg.rope_theta, start, cfg.rope_fraction)
+    k = transformer.apply_rope(k, cfg.rope_theta, start, cfg.rope_fraction)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
     # Row i (position start + i) sees keys 0..start+i. Cache rows past that hold zeros or stale padding,

@@ -86,17 +86,22 @@ def init_router_bias(cfg: ModelConfig) -> jax.Array:
 # attention
 
 
-def apply_rope(x: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.Array:
+def apply_rope(x: jax.Array, theta: float, offset: jax.Array | int = 0, fraction: float = 1.0) -> jax.Array:
     """Rotary position embedding, rotating the two halves of each head (the GPT-NeoX / Llama layout).
 
     Args:
         x: [B, S, N, H] queries or keys, H even.
         theta: base of the rotation frequencies.
         offset: the position of x's first row (decoding with a KV cache: the cache's fill).
+        fraction: the share of each head's dimensions rotated (`ModelConfig.rope_fraction`): the first
+            H * fraction, with frequencies as for a head of that width; the rest pass unrotated.
 
     Returns:
         [B, S, N, H] in x's dtype; the angles and the rotation are computed in float32.
     """
+    if fraction != 1.0:
+        rotated = rotary_dims(x.shape[-1], fraction)
+        return jnp.concatenate([apply_rope(x[..., :rotated], theta, offset), x[..., rotated:]], axis=-1)
     S, H = x.shape[1], x.shape[-1]
     half = H // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
@@ -104,6 +109,11 @@ def apply_rope(x: jax.Array, theta: float, offset: jax.Array | int = 0) -> jax.A
     cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rotary_dims(head_dim: int, fraction: float) -> int:
+    """The head dimensions RoPE rotates under `fraction`: int(head_dim * fraction), as transformers takes it."""
+    return int(head_dim * fraction)
 
 
 def _attention_implementation(dtype: jnp.dtype) -> str | None:
@@ -175,7 +185,7 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     q, k = qk_norm(layer, q, k, cfg)
     q, k = q.reshape(B, S, N, H), k.reshape(B, S, K, H)
     v = jnp.einsum("bsd,dh->bsh", x, w["w_v"]).reshape(B, S, K, H)
-    q, k = apply_rope(q, cfg.rope_theta), apply_rope(k, cfg.rope_theta)
+    q, k = apply_rope(q, cfg.rope_theta, fraction=cfg.rope_fraction), apply_rope(k, cfg.rope_theta, fraction=cfg.rope_fraction)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
     # grouping itself, so K and V are never repeated in memory.
     o = causal_attention(q, k, v)
