@@ -380,3 +380,33 @@ def test_the_model_requires_its_dispatch_and_decoding_runs_without_drops():
 @pytest.mark.parametrize("transport, expected", [(None, 1.15), (2.0, 2.0)])
 def test_the_transport_factor_is_resolved_once_on_the_config(transport, expected):
     assert MoEConfig(capacity_factor=1.15, transport_capacity_factor=transport).transport_factor == expected
+
+
+def test_group_limited_routing_chooses_within_the_best_groups_and_every_backend_agrees_with_dense():
+    """`model.moe.num_groups` (DeepSeek-V3's n_group, issue 51): each token's experts come from its
+    `groups_per_token` best groups (a group scores its two best biased scores), and since selection happens in
+    the router, `capacity` and `dropless` still compute `dense`'s loss and gradients."""
+    from moelab.model.router import within_best_groups
+
+    cfg = dataclasses.replace(_cfg("capacity", "sigmoid", False, True),
+                              moe=dataclasses.replace(_cfg("capacity", "sigmoid", False, True).moe, num_experts=8,
+                                                      num_groups=4, groups_per_token=1, capacity_factor=4.0))
+    biased = jax.random.uniform(jax.random.key(3), (64, 8))
+    kept = np.asarray(within_best_groups(biased, 4, 1))
+    groups = (kept.reshape(64, 4, 2) != 0).any(-1)
+    assert (groups.sum(-1) == 1).all()  # one group of two experts per token
+    best = np.argmax(np.sort(np.asarray(biased).reshape(64, 4, 2), -1).sum(-1), -1)
+    assert (np.argmax(groups, -1) == best).all()
+    params = transformer.init(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (B, S + 1), 0, cfg.vocab_size)
+    bias = 0.05 * jax.random.normal(jax.random.key(2), (cfg.num_layers, 8))
+    grad_fn = jax.value_and_grad(loss_on_one_device, has_aux=True)
+    (ref_loss, ref_aux), ref_grads = grad_fn(params, tokens, _with_backend(cfg, "dense"), bias)
+    for backend in ("capacity", "dropless"):
+        (loss, aux), grads = grad_fn(params, tokens, _with_backend(cfg, backend), bias)
+        np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+        assert relative_error(loss, ref_loss) < 1e-5
+        _assert_trees_close(grads, ref_grads, f"{backend}: d loss /")
+    # not vacuous: the groups change the routing of plain top-k
+    (_, plain), _ = grad_fn(params, tokens, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_groups=1)), bias)
+    assert not np.array_equal(plain["expert_load"], ref_aux["expert_load"])

@@ -113,6 +113,8 @@ class MoEConfig:
     router_score: str = "sigmoid"
     normalize_weights: bool = True  # renormalize the chosen experts' scores to sum to 1
     routed_scaling: float = 1.0  # the combine weights then sum to this
+    num_groups: int = 1  # > 1: group-limited selection (`router.within_best_groups`; DeepSeek-V3's n_group)
+    groups_per_token: int = 1  # the groups each token chooses among, when num_groups > 1 (topk_group)
     capacity_factor: float = 1.15
     dispatch: str = "capacity"
     balancing: str = "none"  # none | exact / hist (quantile bias) | sign (bias step) | aux (loss term)
@@ -182,6 +184,18 @@ class MoEConfig:
                    f"only balancing {readers} reads it, and this config uses balancing {self.balancing!r}: remove it, "
                    f"or set model.moe.balancing to {readers}")
         _positive_int(p + "num_waves", self.num_waves)
+        _positive_int(p + "num_groups", self.num_groups)
+        _positive_int(p + "groups_per_token", self.groups_per_token)
+        if self.num_groups > 1:
+            _check(self.num_experts % self.num_groups == 0 and self.num_experts // self.num_groups >= 2,
+                   p + "num_groups", self.num_groups,
+                   f"must split model.moe.num_experts={self.num_experts} into equal groups of at least 2 (a group "
+                   "scores the sum of its two best experts)")
+            _check(self.groups_per_token <= self.num_groups
+                   and self.groups_per_token * (self.num_experts // self.num_groups) >= self.num_experts_per_token,
+                   p + "groups_per_token", self.groups_per_token,
+                   f"must be at most num_groups={self.num_groups} and leave at least top-k="
+                   f"{self.num_experts_per_token} experts to choose from")
         if self.transport_capacity_factor is not None:
             _check(
                 isinstance(self.transport_capacity_factor, (int, float)) and self.transport_capacity_factor > 0,

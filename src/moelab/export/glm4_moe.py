@@ -19,8 +19,8 @@ The mapping, per layer (moelab's [in, out] matrices become torch's [out, in]):
     w_gate / w_up / w_down [e]    -> mlp.experts.e.gate_proj / up_proj / down_proj
     w_shared_*                    -> mlp.shared_experts.*, zero-padded to n_shared_experts * expert_dim
 
-Settings that make the block moelab's: `n_group = topk_group = 1` (one group: plain top-k of
-score + bias), `first_k_dense_replace = 0` (every layer MoE), `norm_topk_prob = normalize_weights`,
+Settings that make the block moelab's: `n_group` / `topk_group` = `model.moe.num_groups` /
+`groups_per_token` (1 / 1: plain top-k of score + bias; more: `router.within_best_groups`), `first_k_dense_replace = 0` (every layer MoE), `norm_topk_prob = normalize_weights`,
 `routed_scaling_factor = routed_scaling`. Glm4Moe sizes the shared MLP as `n_shared_experts *
 moe_intermediate_size`; moelab stores its Ns shared experts fused as one SwiGLU of width Ns * shared_dim,
 so that width is padded with hidden units whose gate, up and down weights are all zero: silu(0) * 0 = 0
@@ -111,7 +111,8 @@ def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
         "attention_dropout": 0.0, "tie_word_embeddings": False,
         "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,
         "moe_intermediate_size": m.expert_dim, "intermediate_size": m.expert_dim,  # the latter sizes dense layers: none
-        "n_shared_experts": shared_experts_in_glm4_moe(cfg), "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+        "n_shared_experts": shared_experts_in_glm4_moe(cfg), "first_k_dense_replace": 0, "n_group": m.num_groups,
+        "topk_group": m.groups_per_token,
         "norm_topk_prob": m.normalize_weights, "routed_scaling_factor": m.routed_scaling,
         "num_nextn_predict_layers": 0, "output_router_logits": False,
         "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,

@@ -12,12 +12,13 @@ its place in moelab's stacked params, torch's [out, in] matrices transposed to m
     Glm4MoeForCausalLM   sigmoid router whose e_score_correction_bias (choose, do not weight) seeds moelab's
                          router bias, norm_topk_prob, routed_scaling_factor, n_shared_experts fused into one
                          SwiGLU of width n_shared_experts x moe_intermediate_size; use_qk_norm per head;
-                         partial_rotary_factor (model.rope_fraction)
+                         partial_rotary_factor (model.rope_fraction);
+                         n_group / topk_group (model.moe.num_groups / groups_per_token)
     Qwen3MoeForCausalLM  softmax router, top-k renormalized or not (norm_topk_prob); QK-norm per head
     OlmoeForCausalLM     softmax router, top-k not renormalized (norm_topk_prob); QK-norm over the projection
 
 A config value moelab does not model is refused by name, never approximated: a sliding window,
-`n_group` > 1 (group-limited routing), dense layers among the MoE ones (`first_k_dense_replace`,
+dense layers among the MoE ones (`first_k_dense_replace`,
 `mlp_only_layers`, `decoder_sparse_step`), `clip_qkv`, attention biases, a rope_scaling other than
 "default", an activation other than SiLU.
 Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
@@ -136,10 +137,9 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                             normalize_weights=bool(hf.get("norm_topk_prob", False)), balancing="none")
             return arch, ModelConfig(moe=moe, qk_norm=qk, **shape)
         else:
-            for field, want in (("n_group", 1), ("topk_group", 1), ("first_k_dense_replace", 0)):
-                if int(hf.get(field, want) or want) != want:
-                    _refuse(path, field, hf[field], "group-limited routing and dense first layers are not modelled "
-                                                    "yet (issue 51)")
+            if int(hf.get("first_k_dense_replace") or 0) != 0:
+                _refuse(path, "first_k_dense_replace", hf["first_k_dense_replace"],
+                        "dense layers before the MoE ones are not modelled yet (issue 51)")
             shared = int(hf.get("n_shared_experts") or 0)
             moe = MoEConfig(num_experts=int(hf["n_routed_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=int(hf["moe_intermediate_size"]), router_score="sigmoid",
@@ -147,6 +147,7 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                             routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
                             num_shared_experts=1 if shared else 0,
                             shared_expert_dim=shared * int(hf["moe_intermediate_size"]) if shared else None,
+                            num_groups=int(hf.get("n_group") or 1), groups_per_token=int(hf.get("topk_group") or 1),
                             balancing="hist")
             return arch, ModelConfig(moe=moe, qk_norm="head" if hf.get("use_qk_norm") else None, **shape)
         return arch, ModelConfig(moe=moe, **shape)

@@ -71,6 +71,8 @@ def mixtral_mismatch(cfg: ModelConfig, router_bias: Any) -> str | None:
         return f"model.moe.latent_dim={m.latent_dim} (Mixtral's experts run at d_model)"
     if cfg.qk_norm is not None:
         return f"model.qk_norm={cfg.qk_norm!r} (Mixtral's attention has no QK-norm)"
+    if m.num_groups > 1:
+        return f"model.moe.num_groups={m.num_groups} (Mixtral's router has no groups)"
     if cfg.rope_fraction != 1.0:
         return f"model.rope_fraction={cfg.rope_fraction} (Mixtral rotates every dimension of a head)"
     if np.any(np.asarray(router_bias) != 0):

@@ -27,6 +27,7 @@ __all__ = [
     "max_violation",
     "routing_entropy",
     "logits_and_scores",
+    "within_best_groups",
     "LOAD_EMA_DECAY",
     "update_load_ema",
     "router_metrics",
@@ -74,6 +75,8 @@ def route(x: jax.Array, w_router: jax.Array, bias: jax.Array, cfg: MoEConfig) ->
     """
     logits, scores = logits_and_scores(x, w_router, cfg)
     biased = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if cfg.num_groups > 1:
+        biased = within_best_groups(biased, cfg.num_groups, cfg.groups_per_token)
     _, expert_idx = jax.lax.top_k(biased, cfg.num_experts_per_token)  # [T, k]
     chosen = jnp.take_along_axis(scores, expert_idx, axis=-1)  # [T, k], unbiased
     if cfg.normalize_weights:
@@ -83,6 +86,27 @@ def route(x: jax.Array, w_router: jax.Array, bias: jax.Array, cfg: MoEConfig) ->
         chosen = chosen / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
     weights = chosen * cfg.routed_scaling
     return Routing(expert_idx.astype(jnp.int32), weights, scores, logits)
+
+
+def within_best_groups(biased: jax.Array, num_groups: int, groups_per_token: int) -> jax.Array:
+    """Group-limited selection (DeepSeek-V3, GLM-4.5: `n_group`, `topk_group`): the E experts form `num_groups`
+    equal groups, a group scores the sum of its two best biased scores, and each token chooses only among the
+    experts of its `groups_per_token` best groups; the others score 0, as in the reference implementations
+    (not -inf: with a negative bias a masked expert can still win, there and here alike; several masked
+    experts then tie at 0, and XLA's top-k takes the lowest index where torch's may not).
+
+    Args:
+        biased: [T, E] scores plus the balancing bias.
+
+    Returns:
+        [T, E], the biased scores where allowed, 0 elsewhere.
+    """
+    T, E = biased.shape
+    size = E // num_groups
+    group_scores = jnp.sum(jax.lax.top_k(biased.reshape(T, num_groups, size), 2)[0], axis=-1)  # [T, G]
+    _, best = jax.lax.top_k(group_scores, groups_per_token)  # [T, g]
+    keep = jnp.zeros((T, num_groups), bool).at[jnp.arange(T)[:, None], best].set(True)
+    return jnp.where(jnp.repeat(keep, size, axis=1), biased, 0.0)
 
 
 def expert_load(expert_idx: jax.Array, num_experts: int) -> jax.Array:
