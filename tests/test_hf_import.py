@@ -254,3 +254,22 @@ def test_values_moelab_does_not_model_are_refused_by_name(imported, name, field,
     code, _, err = run_cli(["import", str(copy), "--out", str(tmp_path / "run")], monkeypatch, capsys)
     assert code == 2 and field in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_training_continues_from_an_import_under_ep_on_8_devices(imported, tmp_path, monkeypatch, capsys):
+    """The imported Glm4Moe trained expert-parallel on 2 x 4 simulated devices (`--mesh` changes the dispatch to
+    `ep`: allowed, the weights keep their shapes): the held-out loss falls from the imported model's. Measured
+    5.70 -> 4.53 in 20 steps. `slow`: an `ep` train step compiled on the 2 x 4 mesh, ~20 s on 2 cores."""
+    import shutil
+
+    _, _, _, imported_run = imported["glm4_moe"]
+    out = tmp_path / "run"
+    shutil.copytree(imported_run, out)
+    code, _, err = run_cli(["train", str(out / "config.yaml"), "--out", str(out), "--steps", "20", "--mesh",
+                            "replica=2,expert=4", "--set", "train.eval_every=10", "--set", "train.eval_batches=1"],
+                           monkeypatch, capsys)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["platform"]["num_devices"] == 8
+    assert summary["eval_mean"] < summary["eval_initial"]["mean"] - 0.1, summary

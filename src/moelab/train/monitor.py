@@ -59,6 +59,8 @@ _GROUP_OF = {
     "w_k": "attention",
     "w_v": "attention",
     "w_o": "attention",
+    "q_norm": "attention",  # `model.qk_norm`'s gains: part of how attention scores
+    "k_norm": "attention",
     "w_router": "router",
     "w_gate": "experts",
     "w_up": "experts",
