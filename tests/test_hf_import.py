@@ -273,3 +273,22 @@ def test_training_continues_from_an_import_under_ep_on_8_devices(imported, tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["platform"]["num_devices"] == 8
     assert summary["eval_mean"] < summary["eval_initial"]["mean"] - 0.1, summary
+
+
+def test_an_import_born_on_a_mesh_holds_the_same_weights_in_their_shards(imported, tmp_path):
+    """`--mesh replica=2,expert=4` (8 simulated devices): each tensor goes straight into its shards (experts over
+    "expert"); restored on one device the params and bias are the single-device import's, bitwise."""
+    import jax
+
+    from moelab.config import MeshConfig
+    from moelab.config import load_yaml
+
+    _, folder, _, single = imported["glm4_moe"]
+    summary = hf_import.import_checkpoint(folder, tmp_path / "ep", mesh=MeshConfig(replica=2, expert=4))
+    assert summary["mesh"] == {"replica": 2, "expert": 4}
+    cfg = load_yaml(tmp_path / "ep" / "config.yaml")
+    assert cfg.model.moe.dispatch == "ep" and cfg.mesh.expert == 4
+    sharded, reference = load_run(tmp_path / "ep"), load_run(single)
+    for x, y in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(reference.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(sharded.router_bias), np.asarray(reference.router_bias))

@@ -1,6 +1,7 @@
 """`moelab import`: a Hugging Face Mixtral or Glm4Moe checkpoint as a moelab run directory.
 
     moelab import hf/my-mixtral --out runs/my-mixtral
+    moelab import hf/my-mixtral --out runs/my-mixtral-ep --mesh expert=8     # born sharded over 8 devices
     moelab generate runs/my-mixtral --prompt "def "            # then like any run: generate, eval, plan, export
 
 The reading and mapping are `moelab.export.hf_import`'s; this module parses and prints.
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from moelab.cli.common import JsonOpt, out_console
+from moelab.cli.common import JsonOpt, mesh_fields, out_console
 
 __all__ = ["import_cmd"]
 
@@ -26,6 +27,9 @@ def import_cmd(
     out: Annotated[Path, typer.Option(help="The run directory to write (must not exist, unless --force).")],
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists (only once the import is "
                                                          "complete).")] = False,
+    mesh: Annotated[Optional[str], typer.Option(help=(
+        "The run's device mesh, e.g. replica=1,expert=8: each tensor goes straight into its shards there "
+        "(experts over expert; expert > 1 selects the ep dispatch). Default: one device."))] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Import a published MoE checkpoint (MixtralForCausalLM, Glm4MoeForCausalLM) as a moelab run.
@@ -33,9 +37,11 @@ def import_cmd(
     Writes OUT/config.yaml, OUT/checkpoints/0 and the checkpoint's tokenizer.json; a config value moelab does
     not model (a sliding window, group-limited routing, QK-norm, ...) is refused naming the field.
     """
+    from moelab.config import MeshConfig
     from moelab.export.hf_import import import_checkpoint
 
-    summary = import_checkpoint(hf_dir, out, force=force)
+    fields = {k.removeprefix("mesh."): v for k, v in mesh_fields(mesh, None).items() if k.startswith("mesh.")}
+    summary = import_checkpoint(hf_dir, out, force=force, mesh=MeshConfig(**fields) if fields else None)
     if json_out:
         print(json.dumps(summary))
         return

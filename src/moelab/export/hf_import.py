@@ -3,10 +3,10 @@
     summary = import_checkpoint("hf/my-mixtral", "runs/my-mixtral")
     run = load_run("runs/my-mixtral")              # what `moelab generate`, `eval` and `export` read
 
-The inverse of the export's two Hugging Face layouts (`moelab.export.writer`, `moelab.export.glm4_moe`):
-`config.json` becomes a ModelConfig, each tensor of the (sharded) `*.safetensors` files is read one at a
-time (`safetensors.safe_open`: the file is memory-mapped, only the tensor asked for is read) and put in
-its place in moelab's stacked params, torch's [out, in] matrices transposed to moelab's [in, out].
+`config.json` becomes a ModelConfig; each tensor of the (sharded) `*.safetensors` files is read one at a
+time (`safetensors.safe_open`: the file is memory-mapped, only the tensor asked for is read), transposed from
+torch's [out, in] to moelab's [in, out], and written straight into its shards of the run's state, born
+sharded on the run's mesh (`_sharded_params`): no host holds more than the tensor being read.
 
     MixtralForCausalLM   softmax router, top-k renormalized; block_sparse_moe.experts.e.w1 / w3 / w2
     Glm4MoeForCausalLM   sigmoid router whose e_score_correction_bias (choose, do not weight) seeds moelab's
@@ -46,12 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab import presets
-from moelab.config import ModelConfig, MoEConfig, RunConfig, dump_yaml
+from moelab.config import MeshConfig, ModelConfig, MoEConfig, RunConfig, dump_yaml
 from moelab.errors import ConfigError, DataError
 from moelab.export.writer import INDEX, WEIGHTS
 from moelab.train import outputs
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.state import TrainState, make_optimizer
+from moelab.parallel import mesh as mesh_lib
+from moelab.train.state import TrainState, make_optimizer, state_shardings
 
 __all__ = ["ARCHITECTURES", "read_hf_config", "model_config", "tensor_files", "read_weights", "import_checkpoint"]
 
@@ -219,9 +220,11 @@ def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False)
             "w_shared_down": p + "mlp.shared_experts.down_proj.weight"}
 
 
-def read_weights(folder: Path, arch: str, cfg: ModelConfig) -> tuple[dict, np.ndarray, list[str]]:
-    """(params as `transformer.init` lays them out, float32; the router bias [L, E]; tensors left out), reading
-    one tensor at a time. DataError naming the file and tensor when one is missing or has another shape."""
+def read_weights(folder: Path, arch: str, cfg: ModelConfig, put) -> tuple[np.ndarray, list[str]]:
+    """Read the checkpoint one tensor at a time, handing each to `put(key, index, value)`: `key` a params path
+    ("embed", or ("layers", "w_gate")), `index` its layer (and expert) in moelab's stacked array, `value` the
+    float32 tensor in moelab's [in, out] layout. Returns (the router bias [L, E], the tensors left out).
+    DataError naming the file and tensor when one is missing or has another shape."""
     import jax
 
     from moelab.model import transformer
@@ -230,8 +233,6 @@ def read_weights(folder: Path, arch: str, cfg: ModelConfig) -> tuple[dict, np.nd
     files = tensor_files(folder)
     shapes = jax.eval_shape(lambda: transformer.init(cfg, jax.random.key(0)))
     L, E = cfg.num_layers, cfg.moe.num_experts
-    layers = {key: np.zeros(leaf.shape, np.float32) for key, leaf in shapes["layers"].items()}
-    params = {key: np.zeros(leaf.shape, np.float32) for key, leaf in shapes.items() if key != "layers"}
     bias = np.zeros((L, E), np.float32)
     handles: dict[Path, Any] = {}
 
@@ -253,42 +254,75 @@ def read_weights(folder: Path, arch: str, cfg: ModelConfig) -> tuple[dict, np.nd
         return value
 
     try:
-        params["embed"] = read("model.embed_tokens.weight", params["embed"].shape, False)
-        params["final_norm"] = read("model.norm.weight", params["final_norm"].shape, False)
+        put("embed", (), read("model.embed_tokens.weight", shapes["embed"].shape, False))
+        put("final_norm", (), read("model.norm.weight", shapes["final_norm"].shape, False))
         head = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"  # tied embeddings
-        params["lm_head"] = read(head, params["lm_head"].shape, True)
+        put("lm_head", (), read(head, shapes["lm_head"].shape, True))
+        layers = shapes["layers"]
         for i in range(L):
             for key, name in _layer_names(arch, i, qk_norm=cfg.qk_norm is not None).items():
                 if key == "router_bias":
                     bias[i] = read(name, (E,), False)
-                elif key.startswith("w_shared") and cfg.moe.num_shared_experts == 0:
-                    continue
-                else:
-                    layers[key][i] = read(name, layers[key].shape[1:], key.startswith("w_"))
+                elif not (key.startswith("w_shared") and cfg.moe.num_shared_experts == 0):
+                    put(("layers", key), (i,), read(name, layers[key].shape[1:], key.startswith("w_")))
             for e in range(E):
                 for key, name in _layer_names(arch, i, e).items():
-                    layers[key][i, e] = read(name, layers[key].shape[2:], True)
+                    put(("layers", key), (i, e), read(name, layers[key].shape[2:], True))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
     used = {name for i in range(L) for e in [None, *range(E)]
             for name in _layer_names(arch, i, e, qk_norm=cfg.qk_norm is not None).values()}
     used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    left_out = sorted(set(files) - used)
-    return {**params, "layers": layers}, bias, left_out
+    return bias, sorted(set(files) - used)
 
 
-def _run_config(cfg: ModelConfig, name: str, tokenizer: str) -> RunConfig:
+def _sharded_params(run_cfg: RunConfig, mesh) -> tuple[dict, Any]:
+    """Zero params born in their shardings on `mesh` (`state_shardings`), and `put` writing one tensor into them:
+    each tensor goes from the host to its shards, so no host holds more than the one being read."""
+    import jax
+
+    from moelab.model import transformer
+
+    shardings = state_shardings(run_cfg, mesh).params
+    shapes = jax.eval_shape(lambda: transformer.init(run_cfg.model, jax.random.key(0)))
+    params = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings)()
+    writers: dict = {}
+
+    def put(key, index: tuple, value: np.ndarray) -> None:
+        path = key if isinstance(key, tuple) else (key,)
+        holder = params
+        for part in path[:-1]:
+            holder = holder[part]
+        target = holder[path[-1]]
+        if path not in writers:  # one compile per kind of tensor: the layer and expert are traced
+            def write(array, value, *index):
+                starts = (*index, *[0] * value.ndim)
+                return jax.lax.dynamic_update_slice(array, value.reshape((1,) * len(index) + value.shape), starts)
+            writers[path] = jax.jit(write, donate_argnums=0, out_shardings=target.sharding)
+        holder[path[-1]] = writers[path](target, value, *index)
+
+    return params, put
+
+
+def _run_config(cfg: ModelConfig, name: str, tokenizer: str, mesh: MeshConfig | None) -> RunConfig:
     base = presets.get("tiny")
-    return replace(base, name=name, model=cfg, data=replace(base.data, tokenizer=tokenizer) if tokenizer != "byte"
-                   else base.data)
+    mesh = mesh or MeshConfig()
+    if mesh.expert > 1:  # experts over the mesh's expert axis: the expert-parallel dispatch (as `--mesh` in train)
+        cfg = replace(cfg, moe=replace(cfg.moe, dispatch="ep"))
+    return replace(base, name=name, model=cfg, mesh=mesh,
+                   data=replace(base.data, tokenizer=tokenizer) if tokenizer != "byte" else base.data)
 
 
-def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = False) -> dict:
-    """Import the Hugging Face checkpoint in `folder` as the run directory `out` (see the module docstring).
+def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = False, mesh: MeshConfig | None = None
+                      ) -> dict:
+    """Import the Hugging Face checkpoint in `folder` as the run directory `out` (see the module docstring), its
+    state born on `mesh` (default one device; on CPU the devices must exist: `--xla_force_host_platform_device_count`).
 
     Returns a summary: architecture, the model's shape, parameters, tensors read and left out, and files.
     """
+    import jax
+
     folder, out = Path(folder), Path(out)
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder: pass a Hugging Face model folder (config.json, *.safetensors).")
@@ -296,23 +330,26 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
         raise ConfigError(f"--out {out} exists: pass a new folder, or --force to replace it once the import is done.")
     hf = read_hf_config(folder)
     arch, cfg = model_config(hf, folder / "config.json")
-    params, bias, left_out = read_weights(folder, arch, cfg)
     tokenizer = folder / "tokenizer.json"
-    run_cfg = _run_config(cfg, out.name, outputs.TOKENIZER if tokenizer.is_file() else "byte")
     if not tokenizer.is_file() and cfg.vocab_size < 257:
         raise ConfigError(f"{folder} has no tokenizer.json, and its vocab_size={cfg.vocab_size} is too small for "
                           "moelab's byte tokenizer (257 ids): put the model's tokenizer.json in the folder.")
+    run_cfg = _run_config(cfg, out.name, outputs.TOKENIZER if tokenizer.is_file() else "byte", mesh)
+    device_mesh = mesh_lib.make_mesh(run_cfg.mesh)  # ConfigError if the devices are missing
+    params, put = _sharded_params(run_cfg, device_mesh)
+    bias, left_out = read_weights(folder, arch, cfg, put)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         if tokenizer.is_file():
             shutil.copyfile(tokenizer, staging / outputs.TOKENIZER)
         (staging / outputs.CONFIG).write_text(dump_yaml(run_cfg))
-        as_jax = {k: jnp.asarray(v) for k, v in params.items() if k != "layers"}
-        as_jax["layers"] = {k: jnp.asarray(v) for k, v in params["layers"].items()}
-        state = TrainState(as_jax, make_optimizer(run_cfg.train).init(as_jax), jnp.asarray(bias),
-                           jnp.zeros((), jnp.int32), jnp.zeros_like(jnp.asarray(bias)))
         (staging / outputs.IMPORTED).write_text(json.dumps({"source": str(folder.resolve()), "architecture": arch}) + "\n")
+        shardings = state_shardings(run_cfg, device_mesh)
+        opt_state = jax.jit(make_optimizer(run_cfg.train).init, out_shardings=shardings.opt_state)(params)
+        router_bias = jax.device_put(jnp.asarray(bias), shardings.router_bias)
+        state = TrainState(params, opt_state, router_bias, jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+                           jax.device_put(jnp.zeros_like(jnp.asarray(bias)), shardings.router_load))
         checkpoints = Checkpointer(staging / outputs.CHECKPOINTS, run_cfg.checkpoint)
         checkpoints.save(0, state, {"imported_from": str(folder.resolve()), "architecture": arch})
         checkpoints.close()
@@ -322,9 +359,9 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    count = sum(int(np.prod(v.shape)) for v in [*[p for k, p in params.items() if k != "layers"],
-                                                 *params["layers"].values()])
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
     return {"architecture": arch, "out": str(out), "num_layers": cfg.num_layers, "d_model": cfg.d_model,
             "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.num_experts_per_token, "params": count,
             "tensors_read": len(tensor_files(folder)) - len(left_out), "tensors_left_out": left_out,
-            "tokenizer": "tokenizer.json" if tokenizer.is_file() else "byte", "seq_len": cfg.seq_len}
+            "tokenizer": "tokenizer.json" if tokenizer.is_file() else "byte", "seq_len": cfg.seq_len,
+            "mesh": {"replica": run_cfg.mesh.replica, "expert": run_cfg.mesh.expert}}
