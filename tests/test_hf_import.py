@@ -225,7 +225,9 @@ def _drop_tensor(folder):
     (_edit_config(architectures=["LlamaForCausalLM"]), ["config.json", "architectures", "LlamaForCausalLM"]),
     (_edit_config(sliding_window=128), ["config.json", "sliding_window=128"]),
     (_edit_config(hidden_size=48), ["model.embed_tokens.weight", "shape"]),
-    (_edit_config(num_local_experts=None), ["config.json", "not a number"]),
+    (_edit_config(num_local_experts=None), ["config.json", "num_local_experts is missing"]),
+    (_edit_config(num_local_experts="eight"), ["config.json", "not a number"]),
+    (_edit_config(quantization_config={"quant_method": "fp8"}), ["config.json", "quantization_config", "fp8"]),
     (_truncate_first_shard, ["model-00001", "safetensors"]),
     (_drop_tensor, ["model.layers.1.self_attn.k_proj.weight", "missing"]),
     (lambda f: (f / "config.json").write_text("{not json"), ["config.json", "not JSON"]),
@@ -292,3 +294,50 @@ def test_an_import_born_on_a_mesh_holds_the_same_weights_in_their_shards(importe
     for x, y in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(reference.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(sharded.router_bias), np.asarray(reference.router_bias))
+
+
+def test_a_key_config_json_leaves_out_reads_as_transformers_reads_it(imported, tmp_path):
+    """transformers' own defaults, not moelab's: a Glm4Moe config without partial_rotary_factor rotates half of each
+    head (Glm4MoeConfig's 0.5), a Mixtral one without rope_theta uses 1e6 and rms_norm_eps 1e-5."""
+    from moelab.export.hf_import import model_config
+
+    _, cfg = model_config({"architectures": ["Glm4MoeForCausalLM"], "vocab_size": 300, "hidden_size": 32,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "n_routed_experts": 8,
+                           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 0},
+                          tmp_path / "config.json")
+    assert cfg.rope_fraction == 0.5 and cfg.norm_eps == 1e-5 and cfg.moe.num_shared_experts == 1
+    _, cfg = model_config({"architectures": ["MixtralForCausalLM"], "vocab_size": 300, "hidden_size": 32,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_local_experts": 4,
+                           "num_experts_per_tok": 2, "intermediate_size": 16}, tmp_path / "config.json")
+    assert cfg.rope_theta == 1e6 and cfg.norm_eps == 1e-5
+
+
+def test_a_tensor_moelab_would_drop_is_refused_unless_it_is_a_prediction_layer(imported, tmp_path, monkeypatch,
+                                                                              capsys):
+    """An extra tensor inside the model's layers (an attention bias config.json did not announce) would be dropped
+    silently: refused, naming it. One past the last layer (GLM-4.5's multi-token prediction) is left out, listed."""
+    from safetensors.numpy import save_file
+
+    _, folder, _, _ = imported["mixtral"]
+    for name, refused in (("model.layers.0.self_attn.q_proj.bias", True), ("model.layers.2.eh_proj.weight", False)):
+        copy = _copy(folder, tmp_path / name)
+        save_file({name: np.zeros(4, np.float32)}, str(copy / "extra.safetensors"))
+        index = copy / "model.safetensors.index.json"
+        data = json.loads(index.read_text())
+        data["weight_map"][name] = "extra.safetensors"
+        index.write_text(json.dumps(data))
+        code, out, err = run_cli(["import", str(copy), "--out", str(tmp_path / name / "run"), "--json"], monkeypatch,
+                                 capsys)
+        if refused:
+            assert code == 2 and name in err, err
+        else:
+            assert code == 0 and json.loads(out)["tensors_left_out"] == [name], err
+
+
+def test_a_config_that_reshapes_the_imported_weights_is_refused_naming_only_what_reshapes(imported, monkeypatch,
+                                                                                         capsys):
+    _, _, _, out = imported["mixtral"]
+    code, _, err = run_cli(["train", str(out / "config.yaml"), "--out", str(out), "--steps", "2", "--set",
+                            "model.moe.expert_dim=32", "--set", "model.moe.dispatch=dropless"], monkeypatch, capsys)
+    text = " ".join(err.split())
+    assert code == 2 and "model.moe.expert_dim changes their shapes" in text and "dispatch" not in text.split("shapes")[0]

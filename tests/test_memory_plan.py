@@ -207,3 +207,12 @@ def test_bad_timing_input_exits_2_naming_the_flag(args, field, monkeypatch, caps
     code, out, err = run_cli(["plan", "--preset", "tiny", *args], monkeypatch, capsys)
     assert code == 2 and out == ""
     assert field in err
+
+
+def test_the_optimizer_layout_sends_its_gradient_and_parameters_once_each():
+    """ZeRO-1: the gradient reduce-scattered and the new parameters all-gathered, each S (n - 1) / n bytes a
+    device (the review of 12-06 found the reduce-scatter counted n times over)."""
+    cfg = _tiny_on("optimizer")
+    comm = memory_plan.communication(cfg)
+    assert comm["reduce_scatter"] == comm["all_gather"] - memory_plan.communication(_tiny_on("replicate"))["all_gather"]
+    assert comm["reduce_scatter"] > 0

@@ -1,4 +1,4 @@
-"""`moelab import`: a Hugging Face Mixtral or Glm4Moe checkpoint as a moelab run directory.
+"""`moelab import`: a Hugging Face Mixtral, Glm4Moe, Qwen3-MoE or OLMoE checkpoint as a moelab run directory.
 
     moelab import hf/my-mixtral --out runs/my-mixtral
     moelab import hf/my-mixtral --out runs/my-mixtral-ep --mesh expert=8     # born sharded over 8 devices
@@ -32,10 +32,11 @@ def import_cmd(
         "(experts over expert; expert > 1 selects the ep dispatch). Default: one device."))] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Import a published MoE checkpoint (MixtralForCausalLM, Glm4MoeForCausalLM) as a moelab run.
+    """Import a published MoE checkpoint (Mixtral, Glm4Moe, Qwen3-MoE, OLMoE) as a moelab run.
 
-    Writes OUT/config.yaml, OUT/checkpoints/0 and the checkpoint's tokenizer.json; a config value moelab does
-    not model (a sliding window, group-limited routing, QK-norm, ...) is refused naming the field.
+    Writes OUT/config.yaml, OUT/checkpoints/0, imported.json and the checkpoint's tokenizer.json; `moelab train
+    OUT/config.yaml --out OUT` continues from it. A config value moelab does not model (a sliding window, dense
+    first layers, ...) is refused naming the field.
     """
     from moelab.config import MeshConfig
     from moelab.export.hf_import import import_checkpoint

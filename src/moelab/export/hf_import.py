@@ -36,6 +36,7 @@ step 0 from the imported weights and router bias; from its first checkpoint on i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from dataclasses import replace
@@ -57,6 +58,16 @@ from moelab.train.state import TrainState, make_optimizer, state_shardings
 __all__ = ["ARCHITECTURES", "read_hf_config", "model_config", "tensor_files", "read_weights", "import_checkpoint"]
 
 ARCHITECTURES = ("MixtralForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+# What transformers assumes for a key config.json leaves out (its config classes' defaults), per architecture:
+# a missing key must read as transformers reads it, not as moelab's own default.
+HF_DEFAULTS = {
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "Glm4MoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                           "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                           "routed_scaling_factor": 1.0, "n_shared_experts": 1},
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False},
+    "OlmoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False},
+}
 MAX_SEQ_LEN = 4096  # the imported run's training sequence length: the model's own, up to this
 
 
@@ -95,15 +106,23 @@ def _rope(hf: dict, path: Path) -> tuple[float, float]:
 
 def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
     """(architecture, the ModelConfig that computes the same function); ConfigError naming what does not map."""
-    arch = (hf.get("architectures") or [None])[0]
+    archs = hf.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path}: architectures={hf.get('architectures')!r} is not one moelab imports: "
                           f"{', '.join(ARCHITECTURES)}.")
+    defaults = dict(HF_DEFAULTS[arch])
+    if "partial_rotary_factor" in (hf.get("rope_parameters") or {}):  # given there: no default beside it
+        defaults.pop("partial_rotary_factor", None)
+    hf = {**defaults, **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
+    if hf.get("quantization_config"):
+        _refuse(path, "quantization_config", hf["quantization_config"].get("quant_method", "set"),
+                "moelab reads float weights; dequantize the checkpoint first")
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(path, "hidden_act", hf.get("hidden_act"), "moelab's experts are SwiGLU")
     if hf.get("attention_bias"):
         _refuse(path, "attention_bias", True, "moelab's projections have no bias")
-    if hf.get("sliding_window") is not None:
+    if hf.get("sliding_window") is not None and arch != "Qwen3MoeForCausalLM":  # Qwen3 reads use_sliding_window
         _refuse(path, "sliding_window", hf["sliding_window"], "moelab attends causally over the whole sequence")
     try:
         d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
@@ -111,7 +130,7 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
                      head_dim=int(hf.get("head_dim") or d // heads),
                      seq_len=min(int(hf.get("max_position_embeddings") or MAX_SEQ_LEN), MAX_SEQ_LEN),
-                     norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+                     norm_eps=float(hf["rms_norm_eps"]))
         shape["rope_theta"], shape["rope_fraction"] = _rope(hf, path)
         if arch == "MixtralForCausalLM":
             moe = MoEConfig(num_experts=int(hf["num_local_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
@@ -154,9 +173,9 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
         return arch, ModelConfig(moe=moe, **shape)
     except KeyError as e:
         raise ConfigError(f"{path}: {e.args[0]} is missing; a {arch} config.json has it.") from None
+    except ConfigError as e:  # a value moelab's config refuses: name the file it came from
+        raise ConfigError(f"{path}: {e} (from the Hugging Face config's values)") from None
     except (TypeError, ValueError) as e:
-        if isinstance(e, ConfigError):
-            raise
         raise ConfigError(f"{path}: a value is not a number where one is needed ({e}).") from None
 
 
@@ -274,7 +293,18 @@ def read_weights(folder: Path, arch: str, cfg: ModelConfig, put) -> tuple[np.nda
     used = {name for i in range(L) for e in [None, *range(E)]
             for name in _layer_names(arch, i, e, qk_norm=cfg.qk_norm is not None).values()}
     used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    return bias, sorted(set(files) - used)
+    left_out = sorted(set(files) - used)
+    unknown = [name for name in left_out if not _is_mtp_layer(name, L)]
+    if unknown:  # a weight moelab would drop: the model would not be the checkpoint's
+        raise DataError(f"{folder}: tensor {unknown[0]} (and {len(unknown) - 1} more) has no place in moelab's "
+                        f"{arch} model; a config.json value moelab does not read (attention biases?) may have made it.")
+    return bias, left_out
+
+
+def _is_mtp_layer(name: str, num_layers: int) -> bool:
+    """A multi-token-prediction layer's tensor (GLM-4.5, DeepSeek-V3): a layer index past the model's layers."""
+    found = re.match(r"model\.layers\.(\d+)\.", name)
+    return found is not None and int(found.group(1)) >= num_layers
 
 
 def _sharded_params(run_cfg: RunConfig, mesh) -> tuple[dict, Any]:
@@ -328,6 +358,10 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
         raise DataError(f"{folder} is not a folder: pass a Hugging Face model folder (config.json, *.safetensors).")
     if out.exists() and not force:
         raise ConfigError(f"--out {out} exists: pass a new folder, or --force to replace it once the import is done.")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: pass a folder for the run directory.")
+    if out.resolve() == folder.resolve() or out.resolve() in folder.resolve().parents:
+        raise ConfigError(f"--out {out} holds the checkpoint being imported ({folder}): pass another folder.")
     hf = read_hf_config(folder)
     arch, cfg = model_config(hf, folder / "config.json")
     tokenizer = folder / "tokenizer.json"
@@ -351,8 +385,10 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
         state = TrainState(params, opt_state, router_bias, jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
                            jax.device_put(jnp.zeros_like(jnp.asarray(bias)), shardings.router_load))
         checkpoints = Checkpointer(staging / outputs.CHECKPOINTS, run_cfg.checkpoint)
-        checkpoints.save(0, state, {"imported_from": str(folder.resolve()), "architecture": arch})
-        checkpoints.close()
+        try:
+            checkpoints.save(0, state, {"imported_from": str(folder.resolve()), "architecture": arch})
+        finally:
+            checkpoints.close()
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

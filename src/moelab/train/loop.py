@@ -41,7 +41,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moelab.config import RunConfig, changed_fields, load_yaml, to_dict
+from moelab.config import RunConfig, changed_fields, load_yaml, override, to_dict
 from moelab.errors import ConfigError, Preempted, SaveFailed
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import balancing, decode, router, transformer
@@ -268,15 +268,34 @@ def config_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]
     return changed_fields(to_dict(old), to_dict(new))
 
 
+def _untrained_import(out: Path) -> bool:
+    """A `moelab import` run directory whose only checkpoint is the import's (step 0): nothing trained from it yet."""
+    if not (out / outputs.IMPORTED).is_file():
+        return False
+    return sorted(p.name for p in (out / outputs.CHECKPOINTS).glob("*") if p.name.isdigit()) == ["0"]
+
+
+def _weight_shapes(cfg: RunConfig) -> dict[str, tuple]:
+    abstract = jax.eval_shape(lambda: transformer.init(cfg.model, jax.random.key(0)))
+    return {jax.tree_util.keystr(path): leaf.shape for path, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+
+
 def check_same_weights(old: RunConfig, new: RunConfig) -> None:
-    """ConfigError naming the changed model fields when `new`'s parameters are not shaped as `old`'s."""
-    shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), jax.eval_shape(lambda m=c.model: transformer.init(m, jax.random.key(0))))
-              for c in (old, new)]
-    if shapes[0] != shapes[1]:
-        changed = [k for k in config_changes(old, new) if k.startswith("model.")]
-        raise ConfigError(f"the imported weights are shaped by the config they came with; "
-                          f"{', '.join(changed) or 'the model'} changes their shapes. Keep the model's shape "
-                          "(the dispatch, balancing, remat, training and data settings may change).")
+    """ConfigError naming the model fields that change the weights' shapes between `old` and `new`."""
+    before = _weight_shapes(old)
+    if _weight_shapes(new) == before:
+        return
+
+    def reshapes(key: str, value: Any) -> bool:  # does this change alone change a weight's shape?
+        try:
+            return _weight_shapes(override(old, {key: value})) != before
+        except ConfigError:  # it only holds together with the others: name it
+            return True
+
+    changed = [k for k, (_, value) in config_changes(old, new).items() if k.startswith("model.") and reshapes(k, value)]
+    raise ConfigError(f"the imported weights are shaped by the config they came with; {', '.join(changed) or 'the model'} "
+                      "changes their shapes. Keep the model's shape (the dispatch, balancing, remat, training and data "
+                      "settings may change).")
 
 
 def check_resumable(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
@@ -324,23 +343,25 @@ class _Start:
 def _resume(cfg: RunConfig, out: Path, hooks: Hooks, checkpoints: Checkpointer, state: TrainState) -> _Start:
     """Restore the newest valid checkpoint (if any) and read what each log keeps up to its step."""
     restored = checkpoints.restore_newest(like=state)
-    start = 0 if restored is None else restored.step
+    # `moelab import`'s checkpoint: its weights and router bias start this run at step 0 (fresh Adam moments,
+    # fresh logs, the initial eval taken on them); later checkpoints resume as in any run.
+    imported = restored is not None and "imported_from" in restored.meta
+    start = 0 if restored is None or imported else restored.step
     if start > cfg.train.steps:
         checkpoints.close()
         raise ConfigError(f"{out} holds a checkpoint at step {start}, past train.steps={cfg.train.steps}: pass "
                           f"--steps {start} or more to continue it, or a new --out for a shorter run.")
-    if restored is not None and "imported_from" in restored.meta:
-        # `moelab import`'s checkpoint: its weights and router bias start this run at step 0 (fresh Adam moments,
-        # fresh logs, the initial eval taken on them); later checkpoints resume as in any run.
+    if imported:
         hooks.stage(f"starting from the weights imported from {restored.meta['imported_from']}")
-        state = state._replace(params=restored.state.params, router_bias=restored.state.router_bias)
-        return _Start(0, state, None, outputs.read_logs_until(out, 0))
-    if restored is not None and hooks.on_resume:
+    elif restored is not None and hooks.on_resume:
         hooks.on_resume(start, checkpoints.directory / str(start))
     # Logs survive only up to a checkpoint; a fresh start rewrites them (whatever the directory held).
     kept = outputs.read_logs_until(out, start)
     if jax.process_count() > 1:  # every process reads the logs (and config.yaml) before process 0 rewrites them
         multihost_utils.sync_global_devices("moelab.train: run files read")
+    if imported:
+        return _Start(0, state._replace(params=restored.state.params, router_bias=restored.state.router_bias), None,
+                      kept)
     if restored is None:
         return _Start(0, state, None, kept)
     return _Start(start, restored.state, restored.meta, kept)
@@ -396,7 +417,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
         watcher.check_run(cfg)
     config_path = out / outputs.CONFIG
     changes = {}
-    if config_path.is_file() and (out / outputs.IMPORTED).is_file() and not (out / outputs.METRICS).is_file():
+    if config_path.is_file() and _untrained_import(out):
         check_same_weights(load_yaml(config_path), cfg)  # an import not trained yet: any config of its shapes
     elif config_path.is_file():
         changes = check_resumable(load_yaml(config_path), cfg)

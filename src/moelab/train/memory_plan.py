@@ -399,7 +399,7 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
         if R > 1:
             out["all_reduce_across_racks"] += M * 2 * ring(non_expert / X, R)
     elif shard == "optimizer":
-        out["reduce_scatter"] += ring(non_expert, n) * n
+        out["reduce_scatter"] += ring(non_expert, n)
         out["all_gather"] += ring(non_expert, n)  # the new parameters, from their owners
     elif n > 1:
         out[across] += M * 2 * ring(non_expert, n)
