@@ -330,3 +330,10 @@ def test_accounting_counts_the_qk_norm_gains_the_model_initializes(qk_norm):
     assert accounting.count_params(cfg).total == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     with pytest.raises(ConfigError, match="model.qk_norm"):
         ModelConfig(qk_norm="layer")
+
+
+def test_quantile_balancing_is_refused_with_expert_groups_naming_the_rule_that_fits():
+    """The quantile rules solve the bias for plain top-k; under group-limited selection they would solve the wrong one."""
+    with pytest.raises(ConfigError, match="model.moe.balancing='hist'.*'sign'"):
+        MoEConfig(num_experts=8, num_groups=2, balancing="hist")
+    assert MoEConfig(num_experts=8, num_groups=2, balancing="sign").num_groups == 2

@@ -191,6 +191,10 @@ class MoEConfig:
                    p + "num_groups", self.num_groups,
                    f"must split model.moe.num_experts={self.num_experts} into equal groups of at least 2 (a group "
                    "scores the sum of its two best experts)")
+            _check(self.balancing not in ("exact", "hist"), p + "balancing", self.balancing,
+                   f"the quantile rules solve the bias for plain top-k selection, not for selection within groups "
+                   f"(model.moe.num_groups={self.num_groups}): use 'sign' (DeepSeek-V3's rule; it reads only the "
+                   "loads) or 'none'")
             _check(self.groups_per_token <= self.num_groups
                    and self.groups_per_token * (self.num_experts // self.num_groups) >= self.num_experts_per_token,
                    p + "groups_per_token", self.groups_per_token,

@@ -24,8 +24,8 @@ dense layers among the MoE ones (`first_k_dense_replace`,
 Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
 them: their tensors (layer index >= num_hidden_layers) are left out, and the summary says so.
 
-The run directory holds `config.yaml` (the model as imported; `balancing: hist` for Glm4Moe, whose bias is
-a balancing bias, `none` for Mixtral; the embedded default data, and the checkpoint's `tokenizer.json`
+The run directory holds `config.yaml` (the model as imported; for Glm4Moe, whose bias is a balancing bias,
+`balancing: hist`, or `sign` with expert groups; `none` for the others; the embedded default data, and the checkpoint's `tokenizer.json`
 when it has one), `checkpoints/0` (the weights, fresh Adam moments, the router bias), `tokenizer.json` and
 `imported.json` (the source). It is written under a temporary name and renamed into place when complete:
 bad input leaves nothing. `moelab train RUN_DIR/config.yaml --out RUN_DIR` continues from it (any config
@@ -168,7 +168,8 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                             num_shared_experts=1 if shared else 0,
                             shared_expert_dim=shared * int(hf["moe_intermediate_size"]) if shared else None,
                             num_groups=int(hf.get("n_group") or 1), groups_per_token=int(hf.get("topk_group") or 1),
-                            balancing="hist")
+                            # the quantile rules assume plain top-k; within groups, DeepSeek-V3's own sign rule
+                            balancing="hist" if int(hf.get("n_group") or 1) == 1 else "sign")
             return arch, ModelConfig(moe=moe, qk_norm="head" if hf.get("use_qk_norm") else None, **shape)
         return arch, ModelConfig(moe=moe, **shape)
     except KeyError as e:
