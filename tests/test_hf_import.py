@@ -152,9 +152,9 @@ def _expert_ids(layer, h) -> np.ndarray:
     mlp = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
     if hasattr(mlp.gate, "e_score_correction_bias"):  # Glm4Moe: sigmoid, top-k of score + bias in the best groups
         scores = torch.sigmoid(h @ mlp.gate.weight.T) + mlp.gate.e_score_correction_bias
-        groups = layer.mlp.n_group if hasattr(layer.mlp, "n_group") else 2
+        groups, kept = mlp.gate.num_group, mlp.gate.topk_group  # transformers' Glm4MoeTopkRouter
         grouped = scores.view(-1, groups, scores.shape[-1] // groups)
-        best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), 1, dim=-1).indices
+        best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), kept, dim=-1).indices
         keep = torch.zeros(grouped.shape[:2]).scatter(1, best, 1).bool()
         scores = scores.masked_fill(~keep.repeat_interleave(scores.shape[-1] // groups, dim=1), 0.0)
     else:  # Mixtral: top-k of the softmax

@@ -62,22 +62,23 @@ def plan(
     chip = run_length.device_named(device) if device is not None else None
     if mfu is not None:
         run_length.check_mfu(mfu)
-    if peak_flops is not None and not peak_flops > 0:
-        raise ConfigError(f"--peak-flops={peak_flops} is invalid: a positive FLOP/s figure, e.g. 989e12.")
+    if peak_flops is not None:
+        run_length.check_peak_flops(peak_flops)
+    default = chip or memory_plan.Links()  # the device's links, else a GB200 rack's and 400 Gb/s InfiniBand
     links = memory_plan.Links(
-        nvlink=memory_plan.parse_bytes(nvlink.removesuffix("/s"), "--nvlink") if nvlink else (chip.nvlink if chip else 900e9),
-        network=memory_plan.parse_bytes(network.removesuffix("/s"), "--network") if network else (chip.network if chip else 50e9))
+        nvlink=memory_plan.parse_bytes(nvlink.removesuffix("/s"), "--nvlink") if nvlink else default.nvlink,
+        network=memory_plan.parse_bytes(network.removesuffix("/s"), "--network") if network else default.network)
     limit = memory_plan.parse_bytes(hbm, "--hbm") if hbm is not None else (chip.hbm if chip else None)
     cfg = resolve_config(config, preset, sets, **{"train.microbatches": microbatches, **mesh_fields(mesh, sets)})
-    timing = None
-    if chip is not None or peak_flops is not None:
+    timing, timed = None, chip is not None or peak_flops is not None
+    if timed:  # what the step time needs, checked before the plan's tracing
         measured = run_length.MEASURED_MFU.get(device) if device else None
         if mfu is None and measured is None:
             raise ConfigError(f"--mfu is needed: no MFU has been measured on {device or 'a device given by --peak-flops'}; "
                               "give the fraction of the peak you expect, e.g. --mfu 0.35.")
         rate, source = (mfu, "given (--mfu)") if mfu is not None else measured
     result = memory_plan.plan(cfg, limit, platform, links)
-    if chip is not None or peak_flops is not None:
+    if timed:
         timing = run_length.estimate(cfg, result, peak_flops or chip.peak_flops, rate, source)
         timing["device"] = chip.name if chip and peak_flops is None else f"{peak_flops:g} FLOP/s (--peak-flops)"
     compiled = memory_plan.compile_in_subprocess(cfg) if compile_xla else None
@@ -89,6 +90,8 @@ def plan(
 
 
 def _print(result, compiled: dict | None, timing: dict | None) -> None:
+    from moelab.train.memory_plan import XLA_GPU_SLOP, XLA_MEM_FRACTION
+
     mesh = result.mesh
     out_console.print(f"[bold]{result.name}[/bold] on replica={mesh['replica']} x expert={mesh['expert']}, "
                       f"shard={mesh['shard']}: {result.microbatches} microbatch(es) of {result.rows_per_microbatch} "
@@ -111,7 +114,8 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
             out_console.print(
                 f"  [yellow]XLA will recompute[/yellow]: the step's temporaries "
                 f"({(result.total - result.state) / 1e9:,.1f} GB) exceed what XLA's GPU compiler allows them "
-                f"({result.compiler_limit() / 1e9:,.1f} GB: 0.95 x (0.75 of HBM - the state)), so it rematerializes on "
+                f"({result.compiler_limit() / 1e9:,.1f} GB: {XLA_GPU_SLOP} x ({XLA_MEM_FRACTION} "
+                "of HBM - the state)), so it rematerializes on "
                 "its own, silently, at a cost in step time. Raise XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9) or take "
                 "a tip below.")
         for tip in result.advice:

@@ -101,7 +101,7 @@ def _rope(hf: dict, path: Path) -> tuple[float, float]:
     factors = {float(f) for f in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")) if f is not None}
     if len(factors) > 1:
         _refuse(path, "partial_rotary_factor", sorted(factors), "config.json gives two different values")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), factors.pop() if factors else 1.0
+    return float(rope.get("rope_theta", hf["rope_theta"])), factors.pop() if factors else 1.0
 
 
 def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
@@ -154,22 +154,21 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                 raise KeyError("num_experts")
             moe = MoEConfig(num_experts=int(experts), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=width, router_score="softmax",
-                            normalize_weights=bool(hf.get("norm_topk_prob", False)), balancing="none")
+                            normalize_weights=bool(hf["norm_topk_prob"]), balancing="none")
             return arch, ModelConfig(moe=moe, qk_norm=qk, **shape)
         else:
-            if int(hf.get("first_k_dense_replace") or 0) != 0:
+            if int(hf["first_k_dense_replace"]) != 0:
                 _refuse(path, "first_k_dense_replace", hf["first_k_dense_replace"],
                         "dense layers before the MoE ones are not modelled yet (issue 51)")
-            shared = int(hf.get("n_shared_experts") or 0)
+            shared, groups = int(hf["n_shared_experts"]), int(hf["n_group"])
             moe = MoEConfig(num_experts=int(hf["n_routed_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=int(hf["moe_intermediate_size"]), router_score="sigmoid",
-                            normalize_weights=bool(hf.get("norm_topk_prob", True)),
-                            routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
+                            normalize_weights=bool(hf["norm_topk_prob"]), routed_scaling=float(hf["routed_scaling_factor"]),
                             num_shared_experts=1 if shared else 0,
                             shared_expert_dim=shared * int(hf["moe_intermediate_size"]) if shared else None,
-                            num_groups=int(hf.get("n_group") or 1), groups_per_token=int(hf.get("topk_group") or 1),
+                            num_groups=groups, groups_per_token=int(hf["topk_group"]),
                             # the quantile rules assume plain top-k; within groups, DeepSeek-V3's own sign rule
-                            balancing="hist" if int(hf.get("n_group") or 1) == 1 else "sign")
+                            balancing="hist" if groups == 1 else "sign")
             return arch, ModelConfig(moe=moe, qk_norm="head" if hf.get("use_qk_norm") else None, **shape)
         return arch, ModelConfig(moe=moe, **shape)
     except KeyError as e:
@@ -308,14 +307,13 @@ def _is_mtp_layer(name: str, num_layers: int) -> bool:
     return found is not None and int(found.group(1)) >= num_layers
 
 
-def _sharded_params(run_cfg: RunConfig, mesh) -> tuple[dict, Any]:
-    """Zero params born in their shardings on `mesh` (`state_shardings`), and `put` writing one tensor into them:
-    each tensor goes from the host to its shards, so no host holds more than the one being read."""
+def _sharded_params(run_cfg: RunConfig, shardings: Any) -> tuple[dict, Any]:
+    """Zero params born in `shardings` (the params' part of `state_shardings`), and `put` writing one tensor into
+    them: each tensor goes from the host to its shards, so no host holds more than the one being read."""
     import jax
 
     from moelab.model import transformer
 
-    shardings = state_shardings(run_cfg, mesh).params
     shapes = jax.eval_shape(lambda: transformer.init(run_cfg.model, jax.random.key(0)))
     params = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings)()
     writers: dict = {}
@@ -370,8 +368,8 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
         raise ConfigError(f"{folder} has no tokenizer.json, and its vocab_size={cfg.vocab_size} is too small for "
                           "moelab's byte tokenizer (257 ids): put the model's tokenizer.json in the folder.")
     run_cfg = _run_config(cfg, out.name, outputs.TOKENIZER if tokenizer.is_file() else "byte", mesh)
-    device_mesh = mesh_lib.make_mesh(run_cfg.mesh)  # ConfigError if the devices are missing
-    params, put = _sharded_params(run_cfg, device_mesh)
+    shardings = state_shardings(run_cfg, mesh_lib.make_mesh(run_cfg.mesh))  # ConfigError if devices are missing
+    params, put = _sharded_params(run_cfg, shardings.params)
     bias, left_out = read_weights(folder, arch, cfg, put)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -380,7 +378,6 @@ def import_checkpoint(folder: str | Path, out: str | Path, *, force: bool = Fals
             shutil.copyfile(tokenizer, staging / outputs.TOKENIZER)
         (staging / outputs.CONFIG).write_text(dump_yaml(run_cfg))
         (staging / outputs.IMPORTED).write_text(json.dumps({"source": str(folder.resolve()), "architecture": arch}) + "\n")
-        shardings = state_shardings(run_cfg, device_mesh)
         opt_state = jax.jit(make_optimizer(run_cfg.train).init, out_shardings=shardings.opt_state)(params)
         router_bias = jax.device_put(jnp.asarray(bias), shardings.router_bias)
         state = TrainState(params, opt_state, router_bias, jax.device_put(jnp.zeros((), jnp.int32), shardings.step),

@@ -22,7 +22,7 @@ from typing import Iterable
 import numpy as np
 import yaml
 
-from moelab.config import BALANCER_KNOBS, MoEConfig
+from moelab.config import MoEConfig
 from moelab.errors import ConfigError, DataError
 from moelab.lab.ledger import Record
 from moelab.lab.registry import (FINISHED, TRAIN_STEP, Experiment, experiment_status, resolve_run_config,
@@ -57,9 +57,9 @@ def final_value(metrics: list[dict], summary: dict, metric: str) -> tuple[float 
 DROP_KEYS = ("drop_fraction", "drop_fraction_at_sender", "drop_fraction_at_receiver")
 
 
-def read_moe_config(out: Path) -> dict | None:
-    """The run's `model.moe` section as its config.yaml holds it, every field filled with MoEConfig's default
-    where the file leaves it out; None when the file is absent or unreadable (a page then says so)."""
+def read_moe_config(out: Path) -> MoEConfig | None:
+    """The run's `model.moe` as its config.yaml holds it; None when the file is absent, unreadable or holds a
+    section MoEConfig refuses (a page then says it has no settings to show)."""
     try:
         data = yaml.safe_load((out / CONFIG).read_text())
     except (OSError, yaml.YAMLError):
@@ -67,26 +67,26 @@ def read_moe_config(out: Path) -> dict | None:
     moe = ((data or {}).get("model") or {}).get("moe") if isinstance(data, dict) else None
     if not isinstance(moe, dict):
         return None
-    return {f.name: moe.get(f.name, f.default) for f in dataclasses.fields(MoEConfig)}
+    try:
+        return MoEConfig(**{f.name: moe[f.name] for f in dataclasses.fields(MoEConfig) if f.name in moe})
+    except (ConfigError, TypeError):
+        return None
 
 
-def router_settings(moe: dict) -> list[tuple[str, str, object]]:
+def router_settings(moe: MoEConfig) -> list[tuple[str, str, object]]:
     """(key, what, value) rows of the routing the run used: backend, capacity, waves, balancer and its knobs
-    (`BALANCER_KNOBS`: only those its rule reads)."""
-    rows = [("dispatch", "dispatch backend", moe["dispatch"]),
-            ("experts", "routed experts, top-k", f"{moe['num_experts']}, top-{moe['num_experts_per_token']}"),
-            ("capacity_factor", "capacity factor", moe["capacity_factor"] if moe["dispatch"] in ("capacity", "ep")
-             else f"none ({moe['dispatch']} drops nothing)")]
-    if moe["dispatch"] == "ep":
-        transport = moe["transport_capacity_factor"]
-        rows += [("transport_factor", "transport capacity factor (sender pools)",
-                  moe["capacity_factor"] if transport is None else transport),
-                 ("num_waves", "all-to-all waves", moe["num_waves"])]
-    rows.append(("balancing", "balancing rule", moe["balancing"]))
-    for knob in BALANCER_KNOBS.get(moe["balancing"], ()):
-        value = moe[knob]
+    (`MoEConfig.balancer_settings`: only those its rule reads)."""
+    rows = [("dispatch", "dispatch backend", moe.dispatch),
+            ("experts", "routed experts, top-k", f"{moe.num_experts}, top-{moe.num_experts_per_token}"),
+            ("capacity_factor", "capacity factor", moe.capacity_factor if moe.dispatch in ("capacity", "ep")
+             else f"none ({moe.dispatch} drops nothing)")]
+    if moe.dispatch == "ep":
+        rows += [("transport_factor", "transport capacity factor (sender pools)", moe.transport_factor),
+                 ("num_waves", "all-to-all waves", moe.num_waves)]
+    rows.append(("balancing", "balancing rule", moe.balancing))
+    for knob, value in moe.balancer_settings.items():
         if knob == "balance_rate" and value is None:
-            value = f"(E - 1) / E = {(moe['num_experts'] - 1) / moe['num_experts']:.4g}"
+            value = f"(E - 1) / E = {(moe.num_experts - 1) / moe.num_experts:.4g}"
         rows.append((knob, knob.replace("_", " "), value))
     return rows
 
@@ -173,7 +173,7 @@ class RunFiles:
     router_load: np.ndarray | None  # [layers, experts], the newest logged
     incidents: list[dict]  # incidents.jsonl, plus any the metrics records carry
     samples: list[dict]
-    moe: dict | None = None  # config.yaml's model.moe (`read_moe_config`)
+    moe: MoEConfig | None = None  # config.yaml's model.moe (`read_moe_config`)
 
     def final_value(self, metric: str) -> tuple[float | None, int | None]:
         return final_value(self.metrics, self.summary, metric)
@@ -233,7 +233,7 @@ class RunView:
     mixture: list[dict] = field(default_factory=list)
     band: dict[str, list[float]] | None = None  # `contract.read_band`, for the run a fit predicted
     band_problem: str | None = None  # why a prediction.csv it was watched against gives no band
-    moe: dict | None = None  # the main run's config.yaml model.moe (`read_moe_config`), when its directory is found
+    moe: MoEConfig | None = None  # the main run's config.yaml model.moe (`read_moe_config`), when its directory is found
 
 
 @dataclass

@@ -7,24 +7,21 @@ Counted before launch, nothing allocated. The state terms are exact: every leaf 
 abstract tree, divided by the devices `parallel.mesh.leaf_spec` splits it over. The activations are
 what JAX itself saves for the backward pass of `transformer.loss` on one device's microbatch, under the
 config's remat policy (`saved_residuals` of the traced program: the same residuals the compiled step
-keeps), plus the backward's working set (`activation_bytes`). Two phases of the step
-peak: the backward (one microbatch's gradient, the running gradient sum, the activations, one gathered
-layer) and the update (the gradient, Adam's update, float32 copies of the moments of the largest array).
-The peak is the state plus the larger phase.
+keeps), with attention traced as the target compiles it (`_traced_as_on`), plus the backward's working
+set (`activation_bytes`). The peak is the state plus the largest of three phases (`plan`): the head's
+backward, the blocks' backward and the update.
 
 Approximations, each named in `docs/scaling-out.md`: `ep`'s buffers are counted as the `capacity`
-backend's for the device's tokens (the same rows: capacity factor x tokens x k); attention's scores
-are counted as materialized on CPU and as fused (cuDNN, none kept) on GPU; the partitioner's own
+backend's for the device's tokens (the same rows: capacity factor x tokens x k); the partitioner's own
 copies are not modelled. `benchmarks/plan_vs_xla.py` compares the total with XLA's compiled memory
 analysis on simulated CPU meshes; `tests/test_memory_plan.py` pins the H200's measured peaks.
 
 Why one module of ~600 lines: the plan and the compiler's figures it is checked against (`compile_step`,
 `collective_bytes`) must count in the same terms, and keeping them together is what keeps them so.
 
-Communication is per device per step, counted from the layout: the all-to-alls of `ep` (forward,
-backward, and the recomputed forward under remat), the per-layer all-gathers of `full`, the gradient
-reduce-scatters inside a rack, and the all-reduce across racks; times at the stated link bandwidths
-(inside a rack over NVLink, between racks over the network), with no overlap assumed.
+Communication is what one device sends per step in the collectives XLA's partitioner emits
+(`communication` lists them), timed at the stated link bandwidths (inside a rack over NVLink, between
+racks over the network); `moelab.train.run_length` adds it to the compute, with and without overlap.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How long a run takes: its step time on a stated device, and its days for the config's token budget.
 
     device = run_length.DEVICES["h200"]
-    estimate = run_length.estimate(cfg, memory_plan.plan(cfg, links=device.links), device)
+    links = memory_plan.Links(nvlink=device.nvlink, network=device.network)
+    estimate = run_length.estimate(cfg, memory_plan.plan(cfg, device.hbm, links=links), device.peak_flops, 0.319, "given")
     estimate["step_seconds"], estimate["days"]
 
 The compute is the config's training FLOPs per step (`accounting.flops_per_token`) split over the mesh,
@@ -20,7 +21,7 @@ from moelab import accounting
 from moelab.config import RunConfig
 from moelab.errors import ConfigError
 
-__all__ = ["Device", "DEVICES", "MEASURED_MFU", "device_named", "check_mfu", "estimate"]
+__all__ = ["Device", "DEVICES", "MEASURED_MFU", "device_named", "check_mfu", "check_peak_flops", "estimate"]
 
 DAY = 86_400.0
 
@@ -68,11 +69,17 @@ def check_mfu(mfu: float) -> float:
     return mfu
 
 
+def check_peak_flops(peak_flops: float) -> float:
+    """A positive FLOP/s figure; a ConfigError naming --peak-flops otherwise."""
+    if not peak_flops > 0:
+        raise ConfigError(f"--peak-flops={peak_flops} is invalid: a positive FLOP/s figure, e.g. 989e12.")
+    return peak_flops
+
+
 def estimate(cfg: RunConfig, plan: Any, peak_flops: float, mfu: float, mfu_source: str) -> dict[str, Any]:
     """Step time and run length of `cfg` on its mesh, one device `peak_flops` at `mfu`, moving `plan.comm`
     at `plan.links` (a `memory_plan.Plan`)."""
-    if not peak_flops > 0:
-        raise ConfigError(f"--peak-flops={peak_flops} is invalid: a positive FLOP/s figure, e.g. 989e12.")
+    check_peak_flops(peak_flops)
     check_mfu(mfu)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     flops_per_device = accounting.flops_per_token(cfg.model) * tokens_per_step / cfg.mesh.num_devices
