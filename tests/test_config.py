@@ -253,18 +253,32 @@ def test_configs_are_frozen():
     assert isinstance(RunConfig().model, ModelConfig)
 
 
-@pytest.mark.parametrize("latent, shared", [(None, 0), (16, 0), (None, 2), (16, 2)])
-def test_accounting_total_equals_the_parameters_the_model_initializes(latent, shared):
+@pytest.mark.parametrize("latent, shared, dense", [(None, 0, 0), (16, 0, 0), (None, 2, 0), (16, 2, 0), (None, 2, 1)])
+def test_accounting_total_equals_the_parameters_the_model_initializes(latent, shared, dense):
     import jax
     import numpy as np
 
     from moelab.model import transformer
 
-    cfg = ModelConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=8,
-                      moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=24,
-                                    num_shared_experts=shared, shared_expert_dim=12, latent_dim=latent))
+    cfg = ModelConfig(vocab_size=40, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, seq_len=8,
+                      dense_layers=dense, moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=24,
+                                                        num_shared_experts=shared, shared_expert_dim=12,
+                                                        latent_dim=latent))
     params = transformer.init(cfg, jax.random.key(0))
     assert accounting.count_params(cfg).total == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+    if dense:  # a dense block is all active, at the MoE block's active width by default: 2 x 24 + 2 x 12
+        assert cfg.dense_dim == 72 and params["dense_layers"]["w_mlp_gate"].shape == (1, 32, 72)
+        moe_only = accounting.count_params(dataclasses.replace(cfg, dense_layers=0))
+        assert moe_only.total - accounting.count_params(cfg).total == 2 * 24 * 3 * 32 + 4 * 32  # experts, router
+        assert moe_only.active - accounting.count_params(cfg).active == 4 * 32  # the router alone
+
+
+@pytest.mark.parametrize("dense_layers, dense_ffn_dim, field", [(2, None, "model.dense_layers"),
+                                                                (-1, None, "model.dense_layers"),
+                                                                (1, 0, "model.dense_ffn_dim")])
+def test_dense_layers_leave_at_least_one_moe_block_and_have_a_width(dense_layers, dense_ffn_dim, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(num_layers=2, dense_layers=dense_layers, dense_ffn_dim=dense_ffn_dim)
 
 
 # ----------------------------------------------------------------------------------------------

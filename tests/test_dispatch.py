@@ -410,3 +410,38 @@ def test_group_limited_routing_chooses_within_the_best_groups_and_every_backend_
     # not vacuous: the groups change the routing of plain top-k
     (_, plain), _ = grad_fn(params, tokens, dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_groups=1)), bias)
     assert not np.array_equal(plain["expert_load"], ref_aux["expert_load"])
+
+
+def test_dense_first_layers_run_a_swiglu_first_and_every_backend_agrees_with_dense():
+    """`model.dense_layers` (GLM-4.5's and DeepSeek-V3's first_k_dense_replace, issue 51). The oracle: a MoE block
+    whose experts are all one SwiGLU, with weights summing to 1, computes that SwiGLU whatever the routing; so a
+    model whose first block is dense equals the all-MoE model with that block's experts set to the dense MLP.
+    And the routed backends still compute `dense`'s loss and gradients with a dense block in front."""
+    cfg = tiny_model(seq_len=S, num_layers=3, dense_layers=1, dense_ffn_dim=16,
+                     moe={"num_experts": E, "num_experts_per_token": K, "capacity_factor": E / K})
+    params = jax.tree.map(lambda p: 4.0 * p, transformer.init(cfg, jax.random.key(5)))
+    tokens = jax.random.randint(jax.random.key(6), (B, S + 1), 0, cfg.vocab_size)
+    bias = 0.05 * jax.random.normal(jax.random.key(7), (cfg.num_moe_layers, E))
+    assert params["layers"]["w_q"].shape[0] == 2 and params["dense_layers"]["w_q"].shape[0] == 1
+
+    all_moe = dataclasses.replace(cfg, dense_layers=0, dense_ffn_dim=None)
+    dense = params["dense_layers"]
+    first = {**jax.tree.map(lambda a: a[0], params["layers"]),  # any router: every expert is the dense MLP
+             **{k: dense[k][0] for k in ("attn_norm", "w_q", "w_k", "w_v", "w_o", "mlp_norm")},
+             **{f"w_{n}": jnp.broadcast_to(dense[f"w_mlp_{n}"][0], (E, *dense[f"w_mlp_{n}"].shape[1:]))
+                for n in ("gate", "up", "down")}}
+    stacked = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, params["layers"])
+    as_moe = {k: v for k, v in params.items() if k != "dense_layers"} | {"layers": stacked}
+    with jax.disable_jit():
+        ours = loss_on_one_device(params, tokens, cfg, bias)[0]
+        theirs = loss_on_one_device(as_moe, tokens, all_moe, jnp.concatenate([jnp.zeros((1, E)), bias]))[0]
+        assert relative_error(ours, theirs) < 1e-5
+        grad_fn = jax.value_and_grad(loss_on_one_device, has_aux=True)
+        (ref_loss, ref_aux), ref_grads = grad_fn(params, tokens, _with_backend(cfg, "dense"), bias)
+        assert float(jnp.linalg.norm(ref_grads["dense_layers"]["w_mlp_down"])) > 0
+        for backend in ("capacity", "dropless"):
+            (loss, aux), grads = grad_fn(params, tokens, _with_backend(cfg, backend), bias)
+            assert aux["expert_load"].shape == (2, E)  # the MoE blocks' statistics only
+            np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+            assert relative_error(loss, ref_loss) < 1e-5
+            _assert_trees_close(grads, ref_grads, f"{backend}: d loss /")

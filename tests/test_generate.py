@@ -31,13 +31,13 @@ def _peaked_params(cfg=CFG):
     return params
 
 
-@pytest.mark.parametrize("qk_norm, rope_fraction", [(None, 1.0), ("full", 0.5)])
-def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token(qk_norm, rope_fraction):
-    """Also with QK-norm over the whole projection (OLMoE's) and RoPE on half of each head (GLM-4.5's; issue 51):
-    the cache normalizes and rotates as the forward does."""
-    cfg = dataclasses.replace(CFG, qk_norm=qk_norm, rope_fraction=rope_fraction)
+@pytest.mark.parametrize("qk_norm, rope_fraction, dense_layers", [(None, 1.0, 0), ("full", 0.5, 1)])
+def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token(qk_norm, rope_fraction, dense_layers):
+    """Also with QK-norm over the whole projection (OLMoE's), RoPE on half of each head and a dense first block
+    (GLM-4.5's; issue 51): the cache normalizes and rotates as the forward does, each block in its own cache row."""
+    cfg = dataclasses.replace(CFG, qk_norm=qk_norm, rope_fraction=rope_fraction, dense_layers=dense_layers)
     params = _peaked_params(cfg)
-    bias = 0.1 * jax.random.normal(jax.random.key(1), (cfg.num_layers, cfg.moe.num_experts))  # biased selection
+    bias = 0.1 * jax.random.normal(jax.random.key(1), (cfg.num_moe_layers, cfg.moe.num_experts))  # biased selection
     prompt = np.asarray(jax.random.randint(jax.random.key(2), (2, 11), 0, 256))
     sampler = decode.make_sampler(cfg, decode.Sampling(temperature=0), 257)
     key = jax.random.key(0)

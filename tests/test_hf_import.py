@@ -38,15 +38,15 @@ def _glm4_moe(tmp_path):
 
     torch.manual_seed(1)
     cfg = Glm4MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=2, topk_group=1,
-                        first_k_dense_replace=0, partial_rotary_factor=0.5, use_qk_norm=True, norm_topk_prob=True,
+                        first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True, norm_topk_prob=True,
                         routed_scaling_factor=2.5, max_position_embeddings=LENGTH)
     model = Glm4MoeForCausalLM(cfg)
     with torch.no_grad():  # a correction bias that changes choices: a bias bug cannot pass unseen. Positive, as
         # GLM-4.5's and DeepSeek-V3's are: with a negative one an expert outside the chosen groups (scored 0) can
         # tie another and win, and torch and XLA break such ties differently (`router.within_best_groups`).
-        for layer in model.model.layers:
+        for layer in _moe_layers(model):
             layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.rand(8))
     return _with_norm_gains(_saved(model, tmp_path / "glm4_moe"))
 
@@ -57,8 +57,8 @@ def _qwen3_moe(tmp_path):
 
     torch.manual_seed(2)
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
-                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=LENGTH)
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=LENGTH, mlp_only_layers=[0])
     return _with_norm_gains(_saved(Qwen3MoeForCausalLM(cfg), tmp_path / "qwen3_moe"))
 
 
@@ -85,11 +85,17 @@ def _with_norm_gains(saved):
     return _saved(model, folder)
 
 
+def _moe_layers(model) -> list:
+    """The decoder layers with a router: all but the dense first ones (Glm4Moe's first_k_dense_replace, Qwen3-MoE's
+    mlp_only_layers)."""
+    return [layer for layer in model.model.layers if hasattr(layer, "block_sparse_moe") or hasattr(layer.mlp, "gate")]
+
+
 def _saved(model, folder):
     import torch
 
     with torch.no_grad():  # routers away from their near-uniform init: each token's choice is its own, not the bias's
-        for layer in model.model.layers:
+        for layer in _moe_layers(model):
             gate = layer.block_sparse_moe.gate if hasattr(layer, "block_sparse_moe") else layer.mlp.gate
             gate.weight.mul_(30.0) if gate.weight.abs().max() < 0.5 else None
     model.save_pretrained(folder, max_shard_size="40KB")  # several shards and an index
@@ -120,9 +126,9 @@ def test_an_imported_model_gives_transformers_logits_and_expert_choices(imported
     ours, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), run.cfg.model, run.router_bias,
                                 dispatch=no_drops(run.cfg.model.moe))
     assert float(np.max(np.abs(np.asarray(ours) - theirs.numpy()))) <= 1e-4
-    assert len(inputs) == run.cfg.model.num_layers
     m = run.cfg.model
-    for i, (layer, h) in enumerate(zip(model.model.layers, inputs)):  # each layer's router, on its own input
+    assert len(inputs) == m.num_moe_layers == m.num_layers - (name in ("glm4_moe", "qwen3_moe"))  # a dense first block
+    for i, (layer, h) in enumerate(zip(_moe_layers(model), inputs)):  # each MoE layer's router, on its own input
         with torch.no_grad():
             expected = _expert_ids(layer, h)
         chosen = route(jnp.asarray(h.numpy()), run.params["layers"]["w_router"][i], run.router_bias[i], m.moe)
@@ -134,7 +140,7 @@ def _router_inputs(model, tokens) -> list:
     import torch
 
     seen, hooks = [], []
-    for layer in model.model.layers:
+    for layer in _moe_layers(model):
         mlp = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
         hooks.append(mlp.gate.register_forward_hook(lambda mod, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1]))))
     try:
@@ -168,8 +174,8 @@ def mlp_top_k(mlp) -> int:
 
 @pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
 def test_import_export_import_gives_back_the_tensors_and_the_params(imported, name, tmp_path):
-    """Import -> export writes the original checkpoint's tensors (same names, bitwise); export -> import reads
-    the same params and router bias back, bitwise."""
+    """Import -> export writes the original checkpoint's tensors (same names, bitwise; Glm4Moe's dense first block
+    included); export -> import reads the same params and router bias back, bitwise."""
     from safetensors.numpy import load_file
 
     _, folder, _, out = imported[name]
@@ -244,12 +250,13 @@ def test_a_folder_moelab_cannot_import_exits_2_naming_the_file_and_field_and_wri
 
 
 @pytest.mark.parametrize("name, field, value", [
-    ("glm4_moe", "first_k_dense_replace", 1), ("mixtral", "rope_scaling", {"factor": 2}),
-    ("qwen3_moe", "mlp_only_layers", [0]), ("qwen3_moe", "use_sliding_window", True), ("olmoe", "clip_qkv", 8.0),
+    ("glm4_moe", "first_k_dense_replace", 3), ("mixtral", "rope_scaling", {"factor": 2}),
+    ("qwen3_moe", "mlp_only_layers", [1]), ("qwen3_moe", "decoder_sparse_step", 2),
+    ("qwen3_moe", "use_sliding_window", True), ("olmoe", "clip_qkv", 8.0),
 ])
 def test_values_moelab_does_not_model_are_refused_by_name(imported, name, field, value, tmp_path, monkeypatch, capsys):
-    """Dense layers, RoPE scaling, sliding windows, clipped projections: refused naming the field, never
-    approximated (issue 51's next part adds dense first layers to the model)."""
+    """No MoE block left, dense blocks anywhere but first, RoPE scaling, sliding windows, clipped projections:
+    refused naming the field, never approximated."""
     _, folder, _, _ = imported[name]
     copy = _copy(folder, tmp_path)
     _edit_config(**{field: value})(copy)

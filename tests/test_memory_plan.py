@@ -17,14 +17,14 @@ from moelab.train import memory_plan
 from moelab.train.state import init_state, state_shardings
 
 
-def _tiny_on(shard: str):
+def _tiny_on(shard: str, dense_layers: int = 0):
     return override(presets.get("tiny"), {"mesh.replica": 2, "mesh.expert": 4, "model.moe.dispatch": "ep",
-                                          "mesh.shard": shard})
+                                          "mesh.shard": shard, "model.dense_layers": dense_layers})
 
 
-@pytest.mark.parametrize("shard", ["replicate", "optimizer", "full"])
-def test_the_state_it_counts_is_what_the_shardings_put_on_a_device(shard):
-    cfg = _tiny_on(shard)
+@pytest.mark.parametrize("shard, dense_layers", [("replicate", 0), ("optimizer", 0), ("full", 0), ("full", 1)])
+def test_the_state_it_counts_is_what_the_shardings_put_on_a_device(shard, dense_layers):
+    cfg = _tiny_on(shard, dense_layers)
     shardings = state_shardings(cfg, mesh_lib.make_mesh(cfg.mesh))
     abstract = jax.eval_shape(lambda: init_state(cfg))
 
@@ -216,3 +216,13 @@ def test_the_optimizer_layout_sends_its_gradient_and_parameters_once_each():
     comm = memory_plan.communication(cfg)
     assert comm["reduce_scatter"] == comm["all_gather"] - memory_plan.communication(_tiny_on("replicate"))["all_gather"]
     assert comm["reduce_scatter"] > 0
+
+
+def test_dense_first_layers_are_in_the_gradient_the_optimizer_layout_sends():
+    """`model.dense_layers` (issue 51): a dense block's parameters are non-expert parameters like attention's, so
+    ZeRO-1 reduce-scatters them with the rest: S (n - 1) / n bytes a device, S every parameter but the experts'."""
+    cfg = _tiny_on("optimizer", dense_layers=1)
+    m = cfg.model
+    experts = m.num_moe_layers * m.moe.num_experts * 3 * m.expert_input_dim * m.moe.expert_dim
+    non_expert = 4 * (accounting.count_params(m).total - experts)  # float32
+    assert memory_plan.communication(cfg)["reduce_scatter"] == int(non_expert * 7 / 8)

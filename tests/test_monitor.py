@@ -22,12 +22,13 @@ HISTORY = CFG.trailing_window + CFG.recent_window  # observations before any spi
 # The groups' members, written out independently of monitor.py's table: the oracle for group_norms.
 MEMBERS = {
     "embed": ["embed"],
-    "attention": ["layers/w_q", "layers/w_k", "layers/w_v", "layers/w_o"],
+    "attention": [f"{stack}/{w}" for stack in ("dense_layers", "layers") for w in ("w_q", "w_k", "w_v", "w_o")],
     "router": ["layers/w_router"],
     "experts": ["layers/w_gate", "layers/w_up", "layers/w_down"],
     "shared_experts": ["layers/w_shared_gate", "layers/w_shared_up", "layers/w_shared_down"],
     "latent": ["layers/w_latent_down", "layers/latent_norm", "layers/w_latent_up"],
-    "norms": ["layers/attn_norm", "layers/mlp_norm", "final_norm"],
+    "dense_mlp": ["dense_layers/w_mlp_gate", "dense_layers/w_mlp_up", "dense_layers/w_mlp_down"],
+    "norms": ["dense_layers/attn_norm", "dense_layers/mlp_norm", "layers/attn_norm", "layers/mlp_norm", "final_norm"],
     "lm_head": ["lm_head"],
 }
 
@@ -60,13 +61,13 @@ def tiny_state():
     return init_state(presets.get("tiny"))
 
 
-def test_group_norms_under_jit_match_numpy_norms_of_each_module_group(tiny_state):
-    params = tiny_state.params
+def test_group_norms_under_jit_match_numpy_norms_of_each_module_group():
+    params = init_state(override(presets.get("tiny"), {"model.dense_layers": 1})).params  # a dense block too
     # Perturb so no group is a constant (the norm gains start at exactly 1).
     rng = np.random.default_rng(1)
     params = jax.tree.map(lambda p: p + np.float32(0.01) * rng.standard_normal(p.shape, np.float32), params)
     norms = jax.jit(group_norms, static_argnums=1)(params, "grads")
-    assert set(norms) == {f"norm/grads/{g}" for g in GROUPS}  # tiny has latent and shared experts
+    assert set(norms) == {f"norm/grads/{g}" for g in GROUPS}  # tiny has latent and shared experts; here a dense block
     for group, members in MEMBERS.items():
         expected = math.sqrt(sum(np.sum(_get(params, m) ** 2) for m in members))
         # float32 sums of up to ~10^5 squares against a float64 oracle: a few ulps of relative error.
@@ -76,7 +77,8 @@ def test_group_norms_under_jit_match_numpy_norms_of_each_module_group(tiny_state
 def test_group_norms_leave_out_groups_the_model_does_not_have():
     cfg = override(presets.get("tiny"), {"model.moe.latent_dim": None, "model.moe.num_shared_experts": 0})
     norms = group_norms(init_state(cfg).params, "params")
-    assert set(norms) == {f"norm/params/{g}" for g in GROUPS} - {"norm/params/latent", "norm/params/shared_experts"}
+    assert set(norms) == {f"norm/params/{g}" for g in GROUPS} - {"norm/params/latent", "norm/params/shared_experts",
+                                                                 "norm/params/dense_mlp"}
 
 
 def test_group_norms_reject_a_parameter_that_belongs_to_no_group(tiny_state):

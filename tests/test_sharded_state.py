@@ -149,6 +149,10 @@ def test_layouts_split_the_state_as_documented():
     plain = state_shardings(_cfg(), mesh)
     assert all(s.spec in (PartitionSpec(), PartitionSpec(None, "expert", None, None))
                for s in jax.tree.leaves(plain))
+    for stack in mesh_lib.STACKED:  # a dense block's stack (`model.dense_layers`) keeps its layer axis whole too
+        path = (jax.tree_util.DictKey(stack), jax.tree_util.DictKey("w_q"))
+        spec = mesh_lib.leaf_spec(path, np.zeros((8, 4, 2)), {"replica": 1, "expert": 4}, "full")
+        assert spec == PartitionSpec(None, "expert", None), stack
 
 
 def test_bfloat16_moments_halve_the_optimizer_state_and_keep_its_tree():

@@ -26,31 +26,37 @@ class ParamCounts:
     embedding: int  # embedding table + lm head (untied)
 
 
-def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active) parameters of one block."""
-    d, moe = cfg.d_model, cfg.moe
+def _attention_and_norms(cfg: ModelConfig) -> int:
+    """Parameters every block has, dense or MoE: attention (with its QK-norm gains) and the two norms."""
+    d = cfg.d_model
     heads = cfg.num_heads * cfg.dim_per_head
     kv = cfg.num_kv_heads * cfg.dim_per_head
     attention = d * heads + 2 * d * kv + heads * d
     if cfg.qk_norm is not None:  # the queries' and keys' RMSNorm gains
         attention += 2 * cfg.dim_per_head if cfg.qk_norm == "head" else heads + kv
-    norms = 2 * d
+    return attention + 2 * d
+
+
+def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of one MoE block."""
+    d, moe = cfg.d_model, cfg.moe
     router = d * moe.num_experts
     d_in = cfg.expert_input_dim
     latent = 0 if moe.latent_dim is None else 2 * d * moe.latent_dim + moe.latent_dim
     one_expert = 3 * d_in * moe.expert_dim  # SwiGLU: gate, up, down
     shared = moe.num_shared_experts * 3 * d * moe.shared_dim
-    common = attention + norms + router + latent + shared
+    common = _attention_and_norms(cfg) + router + latent + shared
     return common + moe.num_experts * one_expert, common + moe.num_experts_per_token * one_expert
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     total_layer, active_layer = _layer_counts(cfg)
+    dense = cfg.dense_layers * (_attention_and_norms(cfg) + 3 * cfg.d_model * cfg.dense_dim)  # all active
     embedding = 2 * cfg.vocab_size * cfg.d_model
     final_norm = cfg.d_model
     return ParamCounts(
-        total=cfg.num_layers * total_layer + embedding + final_norm,
-        active=cfg.num_layers * active_layer + final_norm,
+        total=cfg.num_moe_layers * total_layer + dense + embedding + final_norm,
+        active=cfg.num_moe_layers * active_layer + dense + final_norm,
         embedding=embedding,
     )
 

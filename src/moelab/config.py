@@ -225,7 +225,8 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Transformer shape. Attention is GQA with RoPE; every block's MLP is the MoE block."""
+    """Transformer shape. Attention is GQA with RoPE; every block's MLP is the MoE block, except the first
+    `dense_layers`, whose MLP is one dense SwiGLU."""
 
     vocab_size: int = 512
     d_model: int = 64
@@ -247,6 +248,12 @@ class ModelConfig:
     """RMSNorm of the queries and keys before RoPE, with learned gains: None (off), "head" (over each head's
     dim_per_head, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
     projection, num_heads x dim_per_head for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
+    dense_layers: int = 0
+    """How many blocks, counted from the first, run one dense SwiGLU MLP of width `dense_ffn_dim` instead of
+    the MoE block (DeepSeek-V3's and GLM-4.5's `first_k_dense_replace`: the first layers' tokens are not yet
+    specific enough to route well). `num_layers` counts them; the router bias and the per-layer MoE metrics
+    cover the num_layers - dense_layers MoE blocks only."""
+    dense_ffn_dim: int | None = None  # the dense layers' SwiGLU width; None: the MoE block's active width
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -278,6 +285,11 @@ class ModelConfig:
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _check(self.embed_std > 0, p + "embed_std", self.embed_std, "must be > 0")
         _one_of(p + "remat", self.remat, REMAT)
+        _check(isinstance(self.dense_layers, int) and not isinstance(self.dense_layers, bool)
+               and 0 <= self.dense_layers < self.num_layers, p + "dense_layers", self.dense_layers,
+               f"must be an integer in [0, model.num_layers={self.num_layers}): at least one block is a MoE block")
+        if self.dense_ffn_dim is not None:
+            _positive_int_or_null(p + "dense_ffn_dim", self.dense_ffn_dim, "the MoE block's active width")
         if self.qk_norm is not None:
             _one_of(p + "qk_norm", self.qk_norm, QK_NORMS)
         _check(isinstance(self.moe, MoEConfig), p + "moe", self.moe, "must be a MoEConfig")
@@ -294,6 +306,20 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def num_moe_layers(self) -> int:
+        """The blocks whose MLP is the MoE block: the last num_layers - dense_layers."""
+        return self.num_layers - self.dense_layers
+
+    @property
+    def dense_dim(self) -> int:
+        """The dense layers' SwiGLU width: `dense_ffn_dim`, or the hidden units one token meets in a MoE block
+        (top-k experts plus the shared ones), so a dense layer costs what the MoE block it replaces does."""
+        if self.dense_ffn_dim is not None:
+            return self.dense_ffn_dim
+        m = self.moe
+        return m.num_experts_per_token * m.expert_dim + m.num_shared_experts * m.shared_dim
 
     @property
     def expert_input_dim(self) -> int:

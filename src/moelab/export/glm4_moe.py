@@ -18,9 +18,12 @@ The mapping, per layer (moelab's [in, out] matrices become torch's [out, in]):
     w_router, router_bias         -> mlp.gate.weight, mlp.gate.e_score_correction_bias (float32 always)
     w_gate / w_up / w_down [e]    -> mlp.experts.e.gate_proj / up_proj / down_proj
     w_shared_*                    -> mlp.shared_experts.*, zero-padded to n_shared_experts * expert_dim
+    dense_layers' w_mlp_gate / up / down -> the first first_k_dense_replace layers' mlp.gate_proj / up_proj /
+                                     down_proj (model.dense_layers, of width intermediate_size = model.dense_dim)
 
 Settings that make the block moelab's: `n_group` / `topk_group` = `model.moe.num_groups` /
-`groups_per_token` (1 / 1: plain top-k of score + bias; more: `router.within_best_groups`), `first_k_dense_replace = 0` (every layer MoE), `norm_topk_prob = normalize_weights`,
+`groups_per_token` (1 / 1: plain top-k of score + bias; more: `router.within_best_groups`),
+`first_k_dense_replace = model.dense_layers`, `norm_topk_prob = normalize_weights`,
 `routed_scaling_factor = routed_scaling`. Glm4Moe sizes the shared MLP as `n_shared_experts *
 moe_intermediate_size`; moelab stores its Ns shared experts fused as one SwiGLU of width Ns * shared_dim,
 so that width is padded with hidden units whose gate, up and down weights are all zero: silu(0) * 0 = 0
@@ -40,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from moelab.config import ModelConfig
-from moelab.export.llama import as_dtype, decoder_tensors
+from moelab.export.llama import as_dtype, blocks, decoder_tensors
 
 __all__ = ["glm4_moe_mismatch", "glm4_moe_tensors", "glm4_moe_config", "shared_experts_in_glm4_moe"]
 
@@ -72,11 +75,11 @@ def glm4_moe_tensors(params: dict, router_bias: np.ndarray, cfg: ModelConfig, dt
                      ) -> dict[str, np.ndarray]:
     """moelab params as a Glm4Moe checkpoint's tensors: torch [out, in] matrices in `dtype`, the router's
     weight and bias in float32 (moelab routes in float32; transformers keeps both float32 too)."""
-    layers = params["layers"]
     tensors = decoder_tensors(params, dtype)
     shared_width = shared_experts_in_glm4_moe(cfg) * cfg.moe.expert_dim
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+    for p, layers, i in blocks(params):
+        if "w_router" not in layers:  # a dense block: all in decoder_tensors
+            continue
         tensors.update({p + "mlp.gate.weight": as_dtype(layers["w_router"][i], np.float32).T,
                         p + "mlp.gate.e_score_correction_bias": as_dtype(router_bias[i], np.float32)})
         for e in range(cfg.moe.num_experts):
@@ -110,8 +113,9 @@ def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
         "use_qk_norm": cfg.qk_norm == "head",
         "attention_dropout": 0.0, "tie_word_embeddings": False,
         "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,
-        "moe_intermediate_size": m.expert_dim, "intermediate_size": m.expert_dim,  # the latter sizes dense layers: none
-        "n_shared_experts": shared_experts_in_glm4_moe(cfg), "first_k_dense_replace": 0, "n_group": m.num_groups,
+        "moe_intermediate_size": m.expert_dim, "intermediate_size": cfg.dense_dim,  # the dense layers' width
+        "n_shared_experts": shared_experts_in_glm4_moe(cfg), "first_k_dense_replace": cfg.dense_layers,
+        "n_group": m.num_groups,
         "topk_group": m.groups_per_token,
         "norm_topk_prob": m.normalize_weights, "routed_scaling_factor": m.routed_scaling,
         "num_nextn_predict_layers": 0, "output_router_logits": False,

@@ -13,14 +13,15 @@ sharded on the run's mesh (`_sharded_params`): no host holds more than the tenso
                          router bias, norm_topk_prob, routed_scaling_factor, n_shared_experts fused into one
                          SwiGLU of width n_shared_experts x moe_intermediate_size; use_qk_norm per head;
                          partial_rotary_factor (model.rope_fraction);
-                         n_group / topk_group (model.moe.num_groups / groups_per_token)
-    Qwen3MoeForCausalLM  softmax router, top-k renormalized or not (norm_topk_prob); QK-norm per head
+                         n_group / topk_group (model.moe.num_groups / groups_per_token);
+                         first_k_dense_replace dense SwiGLU layers of intermediate_size (model.dense_layers)
+    Qwen3MoeForCausalLM  softmax router, top-k renormalized or not (norm_topk_prob); QK-norm per head;
+                         mlp_only_layers [0, ..., k-1] as model.dense_layers
     OlmoeForCausalLM     softmax router, top-k not renormalized (norm_topk_prob); QK-norm over the projection
 
 A config value moelab does not model is refused by name, never approximated: a sliding window,
-dense layers among the MoE ones (`first_k_dense_replace`,
-`mlp_only_layers`, `decoder_sparse_step`), `clip_qkv`, attention biases, a rope_scaling other than
-"default", an activation other than SiLU.
+dense layers anywhere but first (`mlp_only_layers` other than [0, ..., k-1], `decoder_sparse_step`), `clip_qkv`,
+attention biases, a rope_scaling other than "default", an activation other than SiLU.
 Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
 them: their tensors (layer index >= num_hidden_layers) are left out, and the summary says so.
 
@@ -63,9 +64,10 @@ ARCHITECTURES = ("MixtralForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalL
 HF_DEFAULTS = {
     "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "Glm4MoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                           "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+                           "first_k_dense_replace": 1, "intermediate_size": 10944, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
                            "routed_scaling_factor": 1.0, "n_shared_experts": 1},
-    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False},
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False,
+                            "intermediate_size": 6144},
     "OlmoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False},
 }
 MAX_SEQ_LEN = 4096  # the imported run's training sequence length: the model's own, up to this
@@ -140,10 +142,14 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
             if arch == "Qwen3MoeForCausalLM":
                 if hf.get("use_sliding_window"):
                     _refuse(path, "use_sliding_window", True, "moelab attends causally over the whole sequence")
-                if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
-                    _refuse(path, "mlp_only_layers / decoder_sparse_step",
-                            [hf.get("mlp_only_layers"), hf.get("decoder_sparse_step")],
-                            "every moelab block is a MoE block")
+                if int(hf.get("decoder_sparse_step") or 1) != 1:
+                    _refuse(path, "decoder_sparse_step", hf["decoder_sparse_step"],
+                            "moelab's dense blocks come first (model.dense_layers), not every few layers")
+                dense = list(hf.get("mlp_only_layers") or [])
+                if dense != list(range(len(dense))):
+                    _refuse(path, "mlp_only_layers", dense,
+                            "moelab's dense blocks are the first ones (model.dense_layers): [0, 1, ..., k-1]")
+                shape.update(dense_layers=len(dense), dense_ffn_dim=int(hf["intermediate_size"]) if dense else None)
                 width, qk = int(hf["moe_intermediate_size"]), "head"
             else:
                 if hf.get("clip_qkv") is not None:
@@ -157,9 +163,11 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                             normalize_weights=bool(hf["norm_topk_prob"]), balancing="none")
             return arch, ModelConfig(moe=moe, qk_norm=qk, **shape)
         else:
-            if int(hf["first_k_dense_replace"]) != 0:
-                _refuse(path, "first_k_dense_replace", hf["first_k_dense_replace"],
-                        "dense layers before the MoE ones are not modelled yet (issue 51)")
+            dense = int(hf["first_k_dense_replace"])
+            if dense >= shape["num_layers"]:
+                _refuse(path, "first_k_dense_replace", dense, f"with num_hidden_layers={shape['num_layers']} no block "
+                        "is a MoE block; moelab trains MoE models")
+            shape.update(dense_layers=dense, dense_ffn_dim=int(hf["intermediate_size"]) if dense else None)
             shared, groups = int(hf["n_shared_experts"]), int(hf["n_group"])
             moe = MoEConfig(num_experts=int(hf["n_routed_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
                             expert_dim=int(hf["moe_intermediate_size"]), router_score="sigmoid",
@@ -216,7 +224,10 @@ class _opened:
         return self.handle.__exit__(*exc)
 
 
-def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False) -> dict[str, str]:
+def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False, dense: bool = False
+                 ) -> dict[str, str]:
+    """moelab key -> tensor name for HF layer i: its attention and MLP (`dense`: a dense block's SwiGLU), or with
+    `e` routed expert e's matrices."""
     p = f"model.layers.{i}."
     if e is not None:
         if arch == "MixtralForCausalLM":
@@ -229,6 +240,8 @@ def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False)
              "w_v": p + "self_attn.v_proj.weight", "w_o": p + "self_attn.o_proj.weight"}
     if qk_norm:
         names.update({"q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight"})
+    if dense:
+        return {**names, **{f"w_mlp_{name}": f"{p}mlp.{name}_proj.weight" for name in ("gate", "up", "down")}}
     if arch == "MixtralForCausalLM":
         return {**names, "w_router": p + "block_sparse_moe.gate.weight"}
     if arch != "Glm4MoeForCausalLM":
@@ -239,10 +252,24 @@ def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False)
             "w_shared_down": p + "mlp.shared_experts.down_proj.weight"}
 
 
+def _names(arch: str, cfg: ModelConfig):
+    """Every tensor moelab reads, as (params stack, index in it, moelab key, tensor name): HF layer i is dense block
+    i for i < dense_layers, else MoE block i - dense_layers (index (block, expert) for a routed expert's)."""
+    Ld, qk = cfg.dense_layers, cfg.qk_norm is not None
+    for i in range(cfg.num_layers):
+        stack, j = ("dense_layers", i) if i < Ld else ("layers", i - Ld)
+        for key, name in _layer_names(arch, i, qk_norm=qk, dense=i < Ld).items():
+            yield stack, (j,), key, name
+        for e in range(cfg.moe.num_experts if i >= Ld else 0):
+            for key, name in _layer_names(arch, i, e).items():
+                yield stack, (j, e), key, name
+
+
 def read_weights(folder: Path, arch: str, cfg: ModelConfig, put) -> tuple[np.ndarray, list[str]]:
     """Read the checkpoint one tensor at a time, handing each to `put(key, index, value)`: `key` a params path
     ("embed", or ("layers", "w_gate")), `index` its layer (and expert) in moelab's stacked array, `value` the
-    float32 tensor in moelab's [in, out] layout. Returns (the router bias [L, E], the tensors left out).
+    float32 tensor in moelab's [in, out] layout. Returns (the router bias [L, E] of the L MoE blocks, the tensors
+    left out).
     DataError naming the file and tensor when one is missing or has another shape."""
     import jax
 
@@ -251,8 +278,7 @@ def read_weights(folder: Path, arch: str, cfg: ModelConfig, put) -> tuple[np.nda
 
     files = tensor_files(folder)
     shapes = jax.eval_shape(lambda: transformer.init(cfg, jax.random.key(0)))
-    L, E = cfg.num_layers, cfg.moe.num_experts
-    bias = np.zeros((L, E), np.float32)
+    bias = np.zeros((cfg.num_moe_layers, cfg.moe.num_experts), np.float32)
     handles: dict[Path, Any] = {}
 
     def read(name: str, shape: tuple, transpose: bool) -> np.ndarray:
@@ -277,24 +303,19 @@ def read_weights(folder: Path, arch: str, cfg: ModelConfig, put) -> tuple[np.nda
         put("final_norm", (), read("model.norm.weight", shapes["final_norm"].shape, False))
         head = "lm_head.weight" if "lm_head.weight" in files else "model.embed_tokens.weight"  # tied embeddings
         put("lm_head", (), read(head, shapes["lm_head"].shape, True))
-        layers = shapes["layers"]
-        for i in range(L):
-            for key, name in _layer_names(arch, i, qk_norm=cfg.qk_norm is not None).items():
-                if key == "router_bias":
-                    bias[i] = read(name, (E,), False)
-                elif not (key.startswith("w_shared") and cfg.moe.num_shared_experts == 0):
-                    put(("layers", key), (i,), read(name, layers[key].shape[1:], key.startswith("w_")))
-            for e in range(E):
-                for key, name in _layer_names(arch, i, e).items():
-                    put(("layers", key), (i, e), read(name, layers[key].shape[2:], True))
+        for stack, index, key, name in _names(arch, cfg):
+            if key == "router_bias":
+                bias[index] = read(name, bias.shape[1:], False)
+            elif not (key.startswith("w_shared") and cfg.moe.num_shared_experts == 0):
+                shape = shapes[stack][key].shape[len(index):]
+                put((stack, key), index, read(name, shape, key.startswith("w_")))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
-    used = {name for i in range(L) for e in [None, *range(E)]
-            for name in _layer_names(arch, i, e, qk_norm=cfg.qk_norm is not None).values()}
+    used = {name for *_, name in _names(arch, cfg)}
     used |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     left_out = sorted(set(files) - used)
-    unknown = [name for name in left_out if not _is_mtp_layer(name, L)]
+    unknown = [name for name in left_out if not _is_mtp_layer(name, cfg.num_layers)]
     if unknown:  # a weight moelab would drop: the model would not be the checkpoint's
         raise DataError(f"{folder}: tensor {unknown[0]} (and {len(unknown) - 1} more) has no place in moelab's "
                         f"{arch} model; a config.json value moelab does not read (attention biases?) may have made it.")

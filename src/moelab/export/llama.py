@@ -1,14 +1,14 @@
 """The tensors every Llama-style `transformers` class names alike: embedding, norms, GQA attention, lm head.
 
-Mixtral and Glm4Moe differ only in their MLP blocks; both exports start from `decoder_tensors` and add
-their own. moelab's [in, out] matrices become torch's [out, in].
+Mixtral and Glm4Moe differ only in their MoE blocks; both exports start from `decoder_tensors` (dense blocks
+included) and add their own. moelab's [in, out] matrices become torch's [out, in].
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["decoder_tensors", "as_dtype"]
+__all__ = ["blocks", "decoder_tensors", "as_dtype"]
 
 
 def as_dtype(a, dtype: np.dtype) -> np.ndarray:
@@ -16,14 +16,21 @@ def as_dtype(a, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, np.float32).astype(dtype))
 
 
+def blocks(params: dict) -> list[tuple[str, dict, int]]:
+    """Every block in the model's order as (the `model.layers.{i}.` prefix, the stack holding it, its index
+    there): the dense blocks (`model.dense_layers`) first, then the MoE ones."""
+    stacks = [params[key] for key in ("dense_layers", "layers") if key in params]
+    found = [(stack, i) for stack in stacks for i in range(stack["w_q"].shape[0])]
+    return [(f"model.layers.{n}.", stack, i) for n, (stack, i) in enumerate(found)]
+
+
 def decoder_tensors(params: dict, dtype: np.dtype) -> dict[str, np.ndarray]:
-    """Everything but the MLP blocks, in `dtype`, under `model.` and `lm_head.` names."""
-    layers = params["layers"]
+    """Everything but the MoE blocks' MLPs, in `dtype`, under `model.` and `lm_head.` names: a dense block's
+    SwiGLU is `mlp.gate_proj` / `up_proj` / `down_proj` in every Llama-style class."""
     tensors = {"model.embed_tokens.weight": as_dtype(params["embed"], dtype),
                "model.norm.weight": as_dtype(params["final_norm"], dtype),
                "lm_head.weight": as_dtype(params["lm_head"], dtype).T}
-    for i in range(layers["w_q"].shape[0]):
-        p = f"model.layers.{i}."
+    for p, layers, i in blocks(params):
         tensors.update({
             p + "input_layernorm.weight": as_dtype(layers["attn_norm"][i], dtype),
             p + "post_attention_layernorm.weight": as_dtype(layers["mlp_norm"][i], dtype),
@@ -35,4 +42,7 @@ def decoder_tensors(params: dict, dtype: np.dtype) -> dict[str, np.ndarray]:
         if "q_norm" in layers:  # `model.qk_norm`: the gains of the queries' and keys' RMSNorm
             tensors.update({p + "self_attn.q_norm.weight": as_dtype(layers["q_norm"][i], dtype),
                             p + "self_attn.k_norm.weight": as_dtype(layers["k_norm"][i], dtype)})
+        if "w_mlp_gate" in layers:
+            tensors.update({p + f"mlp.{name}_proj.weight": as_dtype(layers[f"w_mlp_{name}"][i], dtype).T
+                            for name in ("gate", "up", "down")})
     return tensors

@@ -73,6 +73,8 @@ def mixtral_mismatch(cfg: ModelConfig, router_bias: Any) -> str | None:
         return f"model.qk_norm={cfg.qk_norm!r} (Mixtral's attention has no QK-norm)"
     if m.num_groups > 1:
         return f"model.moe.num_groups={m.num_groups} (Mixtral's router has no groups)"
+    if cfg.dense_layers:
+        return f"model.dense_layers={cfg.dense_layers} (every Mixtral block is a MoE block)"
     if cfg.rope_fraction != 1.0:
         return f"model.rope_fraction={cfg.rope_fraction} (Mixtral rotates every dimension of a head)"
     if np.any(np.asarray(router_bias) != 0):
@@ -94,7 +96,7 @@ def choose_layout(cfg: ModelConfig, router_bias: Any) -> tuple[str, str | None]:
 def mixtral_tensors(params: dict, dtype: np.dtype = DTYPES["float32"]) -> dict[str, np.ndarray]:
     """moelab params as a Mixtral checkpoint's tensors (torch [out, in] layout) in `dtype`, the router float32."""
     layers = params["layers"]
-    tensors = decoder_tensors(params, dtype)
+    tensors = decoder_tensors(params, dtype)  # no dense blocks: `mixtral_mismatch` refuses them
     for i in range(layers["w_q"].shape[0]):
         p = f"model.layers.{i}."
         tensors[p + "block_sparse_moe.gate.weight"] = as_dtype(layers["w_router"][i], np.float32).T
@@ -190,7 +192,8 @@ def _gpt2_byte_table() -> dict[int, str]:
 def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name: str, files: list[str],
             dtype: str) -> str:
     m = cfg.moe
-    shape = (f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads ({cfg.num_kv_heads} KV, head "
+    dense = f" (the first {cfg.dense_layers} dense, SwiGLU width {cfg.dense_dim})" if cfg.dense_layers else ""
+    shape = (f"{cfg.num_layers} layers{dense}, d_model {cfg.d_model}, {cfg.num_heads} heads ({cfg.num_kv_heads} KV, head "
              f"dim {cfg.dim_per_head}), RoPE theta {cfg.rope_theta:g}, context {cfg.seq_len}, vocab {cfg.vocab_size}; "
              f"{m.num_experts} routed experts top-{m.num_experts_per_token} of width {m.expert_dim}, {m.router_score} "
              f"router" + (f", {m.num_shared_experts} shared expert(s) of width {m.shared_dim}" if m.num_shared_experts

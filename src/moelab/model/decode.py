@@ -24,6 +24,7 @@ token changes the text), so decoding never drops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, NamedTuple
@@ -34,7 +35,7 @@ import numpy as np
 
 from moelab.config import ModelConfig
 from moelab.errors import DataError
-from moelab.model import moe, transformer
+from moelab.model import transformer
 from moelab.model.dispatch import no_drops, single_device
 from moelab.model.layers import rms_norm
 
@@ -178,21 +179,28 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
     Returns:
         logits [B, T, V] float32 and the cache grown by T.
     """
-    dispatch = no_drops(cfg.moe)
     start = cache.length
+    dense, routed = transformer.mlps(cfg, compute_dtype, no_drops(cfg.moe))
 
-    def block(x, layer_bias_kv):
+    def block(mlp, x, layer_bias_kv):
         layer, bias, k_cache, v_cache = layer_bias_kv
         B, T, D = x.shape
         attn, k_cache, v_cache = _cached_attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), k_cache,
                                                    v_cache, start, cfg, compute_dtype)
         x = x + attn
-        y, _ = moe.apply(layer, rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * T, D), bias, cfg,
-                         compute_dtype, dispatch=dispatch)
+        y, _ = mlp(layer, rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * T, D), bias)
         return x + y.reshape(B, T, D), (k_cache, v_cache)
 
     x = params["embed"][tokens]
-    x, (k, v) = jax.lax.scan(block, x, (params["layers"], router_bias, cache.k, cache.v))
+    Ld = cfg.dense_layers  # the cache's first Ld layers are the dense blocks'
+    ks, vs = [], []
+    if Ld:
+        x, (k, v) = jax.lax.scan(functools.partial(block, dense), x,
+                                 (params["dense_layers"], None, cache.k[:Ld], cache.v[:Ld]))
+        ks, vs = [k], [v]
+    x, (k, v) = jax.lax.scan(functools.partial(block, routed), x, (params["layers"], router_bias, cache.k[Ld:],
+                                                                    cache.v[Ld:]))
+    k, v = (jnp.concatenate([*ks, k]), jnp.concatenate([*vs, v])) if Ld else (k, v)
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = transformer.lm_head(x, params["lm_head"].astype(compute_dtype))
     return logits, KVCache(k, v, start + tokens.shape[1])

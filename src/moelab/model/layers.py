@@ -1,4 +1,4 @@
-"""What the transformer and the MoE block both use: RMSNorm and the init scales."""
+"""What the transformer and the MoE block both use: RMSNorm, the dense SwiGLU MLP and the init scales."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["INIT_STD", "residual_init_std", "rms_norm"]
+__all__ = ["INIT_STD", "residual_init_std", "rms_norm", "swiglu"]
 
 INIT_STD = 0.02  # every weight matrix starts as N(0, INIT_STD^2), except those of `residual_init_std`
 
@@ -32,3 +32,17 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """A dense SwiGLU MLP, silu(x @ w_gate) * (x @ w_up) @ w_down (Shazeer 2020), in the operands' dtype.
+
+    Args:
+        x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D], all in the compute dtype.
+
+    Returns:
+        [T, D] float32.
+    """
+    gate = jnp.einsum("td,df->tf", x, w_gate)
+    up = jnp.einsum("td,df->tf", x, w_up)
+    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down).astype(jnp.float32)

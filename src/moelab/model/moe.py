@@ -20,7 +20,7 @@ from moelab.config import ModelConfig
 from moelab.model import balancing
 from moelab.model import router as router_lib
 from moelab.model.dispatch import Dispatch
-from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
+from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
 from moelab.model.router import route
 
 __all__ = ["init", "apply"]
@@ -115,9 +115,7 @@ def apply(
     y = routed.astype(jnp.float32)
 
     if m.num_shared_experts > 0:
-        gate = jnp.einsum("td,df->tf", xc, cast(params["w_shared_gate"]))
-        up = jnp.einsum("td,df->tf", xc, cast(params["w_shared_up"]))
-        y = y + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, cast(params["w_shared_down"])).astype(jnp.float32)
+        y = y + swiglu(xc, *(cast(params[f"w_shared_{name}"]) for name in ("gate", "up", "down")))
     stats = {**stats, "entropy": router_lib.routing_entropy(jax.lax.stop_gradient(routing.scores)),
              **balancing.balancer(m).measure(routing, bias)}
     return y, stats

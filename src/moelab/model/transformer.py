@@ -1,11 +1,12 @@
 """The MoE transformer: embedding, pre-norm blocks (GQA attention with RoPE, MoE), lm head, loss.
 
     x = embed[tokens]
-    for each layer:  x += attn(rms_norm(x));  x += moe(rms_norm(x))
+    for each layer:  x += attn(rms_norm(x));  x += moe(rms_norm(x))     (the first `dense_layers`: a dense SwiGLU)
     logits = rms_norm(x) @ lm_head
 
-The L blocks share one shape, so their parameters are stacked along a leading layer axis and the
-blocks run under `jax.lax.scan`: the block compiles once instead of L times. The embedding and the lm
+The MoE blocks share one shape, so their parameters are stacked along a leading layer axis and the
+blocks run under `jax.lax.scan`: the block compiles once instead of L times. Dense first layers
+(`ModelConfig.dense_layers`) are a second stack, `dense_layers`, scanned before them. The embedding and the lm
 head are untied. The residual stream, norms, router and loss are float32; `compute_dtype` only
 changes the inputs of the matmuls. References: nanoGPT's model.py (layout), RoFormer (RoPE), GQA
 (Ainslie et al. 2023), PaLM (z-loss).
@@ -23,12 +24,13 @@ import jax.numpy as jnp
 from moelab.config import ModelConfig
 from moelab.model import moe
 from moelab.model.dispatch import EXPERT_MATMUL, Dispatch
-from moelab.model.layers import INIT_STD, residual_init_std, rms_norm
+from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
 
 __all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "qk_norm", "causal_attention",
-           "apply_rope"]
+           "apply_rope", "dense_mlp"]
 
-Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"}
+# {"embed", "layers": {...stacked [L - Ld, ...]}, "final_norm", "lm_head"}, and "dense_layers" [Ld, ...] when Ld > 0
+Params = dict
 # Lays out one layer's params for use, inside the scan body (`moelab.parallel.mesh.gather_for_use`: a split
 # parameter gathered here, where its layer runs, instead of the partitioner moving activations to it).
 Gather = Callable[[dict], dict]
@@ -38,10 +40,19 @@ Gather = Callable[[dict], dict]
 # init
 
 
-def _init_layer(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
-    """One block's parameters (attention + MoE), before stacking."""
+def _init_dense_mlp(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
+    """A dense block's SwiGLU: `w_mlp_gate`, `w_mlp_up` [D, F], `w_mlp_down` [F, D] with F = `cfg.dense_dim`."""
+    D, F = cfg.d_model, cfg.dense_dim
+    k_gate, k_up, k_down = jax.random.split(key, 3)
+    return {"w_mlp_gate": INIT_STD * jax.random.normal(k_gate, (D, F), jnp.float32),
+            "w_mlp_up": INIT_STD * jax.random.normal(k_up, (D, F), jnp.float32),
+            "w_mlp_down": residual_init_std(cfg.num_layers) * jax.random.normal(k_down, (F, D), jnp.float32)}
+
+
+def _init_layer(cfg: ModelConfig, key: jax.Array, init_mlp: Callable = moe.init) -> dict[str, jax.Array]:
+    """One block's parameters (attention + `init_mlp`'s: the MoE block, or a dense block's SwiGLU), before stacking."""
     D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
-    k_q, k_k, k_v, k_o, k_moe = jax.random.split(key, 5)
+    k_q, k_k, k_v, k_o, k_mlp = jax.random.split(key, 5)
     out_std = residual_init_std(cfg.num_layers)
     qk_norms = {}
     if cfg.qk_norm is not None:  # gains of the queries' and keys' RMSNorm: per head dim, or per projection dim
@@ -55,7 +66,7 @@ def _init_layer(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
         "w_v": INIT_STD * jax.random.normal(k_v, (D, K * H), jnp.float32),
         "w_o": out_std * jax.random.normal(k_o, (N * H, D), jnp.float32),
         "mlp_norm": jnp.ones((D,), jnp.float32),
-        **moe.init(cfg, k_moe),
+        **init_mlp(cfg, k_mlp),
     }
 
 
@@ -63,23 +74,30 @@ def init(cfg: ModelConfig, key: jax.Array) -> Params:
     """All parameters, float32, per-layer ones stacked along a leading L axis.
 
     Returns:
-        `embed` [V, D], `layers` (`attn_norm` [L, D], `w_q` [L, D, N*H], `w_k` / `w_v` [L, D, K*H],
-        `w_o` [L, N*H, D], `mlp_norm` [L, D] and the MoE block's arrays from `moe.init` with a
-        leading L), `final_norm` [D], `lm_head` [D, V].
+        `embed` [V, D], `layers` (the L = num_moe_layers MoE blocks: `attn_norm` [L, D], `w_q` [L, D, N*H],
+        `w_k` / `w_v` [L, D, K*H], `w_o` [L, N*H, D], `mlp_norm` [L, D] and the MoE block's arrays from
+        `moe.init` with a leading L), `final_norm` [D], `lm_head` [D, V]; with `cfg.dense_layers` = Ld > 0
+        also `dense_layers` (the same attention arrays with a leading Ld, and `w_mlp_gate` / `w_mlp_up`
+        [Ld, D, F], `w_mlp_down` [Ld, F, D]). Layer i draws from the i-th of num_layers keys, dense or not.
     """
     k_embed, k_layers, k_head = jax.random.split(key, 3)
     layer_keys = jax.random.split(k_layers, cfg.num_layers)
-    return {
+    params = {
         "embed": cfg.embed_std * jax.random.normal(k_embed, (cfg.vocab_size, cfg.d_model), jnp.float32),
-        "layers": jax.vmap(functools.partial(_init_layer, cfg))(layer_keys),
+        "layers": jax.vmap(functools.partial(_init_layer, cfg))(layer_keys[cfg.dense_layers:]),
         "final_norm": jnp.ones((cfg.d_model,), jnp.float32),
         "lm_head": INIT_STD * jax.random.normal(k_head, (cfg.d_model, cfg.vocab_size), jnp.float32),
     }
+    if cfg.dense_layers:
+        params["dense_layers"] = jax.vmap(functools.partial(_init_layer, cfg, init_mlp=_init_dense_mlp))(
+            layer_keys[:cfg.dense_layers])
+    return params
 
 
 def init_router_bias(cfg: ModelConfig) -> jax.Array:
-    """The router balancing bias, [L, E] zeros: training state, not a parameter."""
-    return jnp.zeros((cfg.num_layers, cfg.moe.num_experts), jnp.float32)
+    """The router balancing bias, [L, E] zeros over the L = num_moe_layers MoE blocks: training state, not a
+    parameter."""
+    return jnp.zeros((cfg.num_moe_layers, cfg.moe.num_experts), jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,24 +214,46 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
 # forward and loss
 
 
+def dense_mlp(layer: dict[str, jax.Array], h: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
+    """A dense block's MLP: `layers.swiglu` of h [T, D] with the block's `w_mlp_*`; [T, D] float32."""
+    del cfg  # the width is in the weights' shapes
+    return swiglu(h.astype(compute_dtype), *(layer[f"w_mlp_{name}"].astype(compute_dtype)
+                                             for name in ("gate", "up", "down")))
+
+
 def _block(
     cfg: ModelConfig,
     compute_dtype: jnp.dtype,
-    dispatch: Dispatch,
     gather: Gather | None,
-    rebalance: bool | jax.Array,
+    mlp: Callable,
     x: jax.Array,
-    layer_and_bias: tuple[dict[str, jax.Array], jax.Array],
+    layer_and_bias: tuple[dict[str, jax.Array], jax.Array | None],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One pre-norm block as a scan step: x [B, S, D] -> (x, this layer's MoE stats)."""
+    """One pre-norm block as a scan step: x [B, S, D] -> (x, this layer's MLP stats).
+
+    `mlp(layer, h [T, D], bias) -> (y [T, D], stats)` is the MoE block (`moe.apply`) or, with bias None, a
+    dense block's SwiGLU (no stats)."""
     layer, bias = layer_and_bias
     if gather is not None:
         layer = gather(layer)
     B, S, D = x.shape
     x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype)
-    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MoE sees a flat [T, D]
-    y, stats = moe.apply(layer, h, bias, cfg, compute_dtype, dispatch=dispatch, rebalance=rebalance)
+    h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MLP sees a flat [T, D]
+    y, stats = mlp(layer, h, bias)
     return x + y.reshape(B, S, D), stats
+
+
+def mlps(cfg: ModelConfig, compute_dtype: jnp.dtype, dispatch: Dispatch, rebalance: bool | jax.Array = False
+         ) -> tuple[Callable, Callable]:
+    """The MLP of a dense block and of a MoE block as `_block` (and the decoder's block) call them."""
+
+    def dense(layer, h, bias):
+        return dense_mlp(layer, h, cfg, compute_dtype), {}
+
+    def routed(layer, h, bias):
+        return moe.apply(layer, h, bias, cfg, compute_dtype, dispatch=dispatch, rebalance=rebalance)
+
+    return dense, routed
 
 
 def _remat(block, remat: str):
@@ -277,7 +317,7 @@ def apply(
         params: from `init`.
         tokens: [B, S] int32.
         cfg: the model config.
-        router_bias: [L, E] from `init_router_bias` or a balancing rule.
+        router_bias: [L, E] (L = `cfg.num_moe_layers`) from `init_router_bias` or a balancing rule.
         compute_dtype: jnp.float32 or jnp.bfloat16, for the matmuls only.
         dispatch: the routed experts' backend (`moe.apply`): `moelab.parallel.ep.make_dispatch(cfg.moe, mesh)`
             for training, `moelab.model.dispatch.no_drops(cfg.moe)` for decoding and evaluation. The model
@@ -288,14 +328,18 @@ def apply(
             the train step sets it for the first `cfg.moe.rebalance_steps` steps.
 
     Returns:
-        logits [B, S, V] float32 and aux: `expert_load` [L, E], `dropped` [L], `assignments` [L],
+        logits [B, S, V] float32 and aux, over the L MoE blocks: `expert_load` [L, E], `dropped` [L], `assignments` [L],
         `drop_fraction` [] (dropped / assignments over all layers), `router_entropy` [L],
         `balance_loss` [] and, under quantile balancing, `bias_target` [L, E]; under `ep` also
         `drop_fraction_at_sender` and `drop_fraction_at_receiver` [] (they add up to `drop_fraction`);
         all float32.
     """
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
-    block = _remat(functools.partial(_block, cfg, compute_dtype, dispatch, gather, rebalance), cfg.remat)
+    dense, routed = mlps(cfg, compute_dtype, dispatch, rebalance)
+    if "dense_layers" in params:
+        dense_block = _remat(functools.partial(_block, cfg, compute_dtype, gather, dense), cfg.remat)
+        x, _ = jax.lax.scan(dense_block, x, (params["dense_layers"], None))
+    block = _remat(functools.partial(_block, cfg, compute_dtype, gather, routed), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = lm_head(x, params["lm_head"].astype(compute_dtype))

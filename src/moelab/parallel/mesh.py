@@ -171,6 +171,7 @@ def param_spec(path: tuple, leaf: Any) -> P:
 # TrainState fields that are never split: tiny, and read whole by every device each step.
 REPLICATED_STATE = ("router_bias", "router_load", "step")
 MOMENTS = ("opt_state", "mu", "nu")  # a path through one of these is optimizer state
+STACKED = ("layers", "dense_layers")  # params keys whose arrays have a leading layer axis (scanned over)
 
 
 def _attr_names(path: tuple) -> set[str]:
@@ -189,7 +190,7 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
     Routed experts follow `param_spec` in every layout. Under `optimizer` and `full`, optimizer
     moments are split over the whole mesh ("replica" and "expert" on one dimension when it divides,
     else "expert"); an expert's moments add "replica" on one of their own dimensions. Under `full`,
-    non-expert parameters are split over "expert". Leaves under a stacked `layers` key never split their
+    non-expert parameters are split over "expert". Leaves under a stacked key (`STACKED`) never split their
     leading layer axis. `axes` is the mesh's axis sizes (`mesh.shape`), so a planner can ask without devices.
     """
     base = param_spec(path, leaf)
@@ -202,7 +203,8 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
         return base
     keys = {k.key for k in path if isinstance(k, jax.tree_util.DictKey)}
     spec = list(base) + [None] * (len(shape) - len(base))
-    taken = {d for d, axis in enumerate(spec) if axis is not None} | ({0} if "layers" in keys else set())
+    stacked = bool(keys & set(STACKED))
+    taken = {d for d, axis in enumerate(spec) if axis is not None} | ({0} if stacked else set())
     replica, expert = axes["replica"], axes["expert"]
     if "expert" in spec:  # a routed expert's array: already over "expert"; its moments go over "replica" too
         dim = _split_dim(shape, replica, taken) if moment and replica > 1 else None

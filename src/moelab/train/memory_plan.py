@@ -37,7 +37,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -249,7 +249,7 @@ class Residuals:
         return self.in_loop + self.logits_sized + self.other
 
 
-def _residuals(fn, params: Any, *args, num_layers: int, vocab_size: int, experts_split: int = 1) -> Residuals:
+def _residuals(fn, params: Any, *args, vocab_size: int, experts_split: int = 1) -> Residuals:
     """The residuals of `fn(params, *args)` (`saved_residuals`: what the compiled step keeps alive).
 
     Arguments are not counted (they are the state). A residual shaped like a routed expert's weight (a
@@ -267,7 +267,7 @@ def _residuals(fn, params: Any, *args, num_layers: int, vocab_size: int, experts
         size = _nbytes(aval) // (experts_split if expert_copy else 1)
         if why.startswith("output of scan"):
             in_loop += size
-            largest = max(largest, size // num_layers)
+            largest = max(largest, size // aval.shape[0])  # stacked over the scan's layers
         elif aval.ndim >= 2 and aval.shape[-1] == vocab_size:
             logits_sized += size
         else:
@@ -303,18 +303,18 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
 
     def residuals(m, token_cols: int, fn) -> Residuals:
         params = jax.eval_shape(lambda: transformer.init(m, jax.random.key(0)))
-        bias = jax.ShapeDtypeStruct((m.num_layers, m.moe.num_experts), jnp.float32)
+        bias = jax.ShapeDtypeStruct((m.num_moe_layers, m.moe.num_experts), jnp.float32)
         tokens = jax.ShapeDtypeStruct((rows, token_cols), jnp.int32)
         with _traced_as_on(platform):
-            return _residuals(lambda p, t, b: fn(p, t, m, b), params, tokens, bias, num_layers=m.num_layers,
-                              vocab_size=m.vocab_size, experts_split=cfg.mesh.expert)
+            return _residuals(lambda p, t, b: fn(p, t, m, b), params, tokens, bias, vocab_size=m.vocab_size,
+                              experts_split=cfg.mesh.expert)
 
     def block(p, t, m, b):
         return transformer.apply(p, t, m, b, dtype, dispatch=single_device(m.moe))[0].sum()
 
     saved = residuals(model, model.seq_len + 1,
                       lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=single_device(m.moe))[0])
-    one = replace(model, num_layers=1, remat="none")
+    one = replace(model, num_layers=1, dense_layers=0, remat="none")
     recomputed = 0
     if model.remat != "none":
         recomputed = (residuals(one, model.seq_len, block).in_loop
@@ -325,18 +325,31 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
                        block_work=recomputed + 2 * saved.largest_per_layer)
 
 
-def _layer_split(cfg: RunConfig) -> tuple[int, int, int]:
-    """(one layer's non-expert param bytes, the top-level params' bytes, one layer's expert bytes), float32, whole."""
+class LayerSplit(NamedTuple):
+    """A model's parameter bytes (float32, whole) by how the step moves them."""
+
+    layer: int  # one MoE block's non-expert parameters
+    top: int  # embedding, lm head and final norm
+    experts: int  # one MoE block's routed experts
+    dense_layer: int  # one dense block (`model.dense_layers`); 0 without them
+
+    def non_expert(self, cfg: RunConfig) -> int:
+        return cfg.model.num_moe_layers * self.layer + cfg.model.dense_layers * self.dense_layer + self.top
+
+
+def _layer_split(cfg: RunConfig) -> LayerSplit:
+    """The bytes `LayerSplit` names, read off the params `transformer.init` would make."""
     params = jax.eval_shape(lambda: transformer.init(cfg.model, jax.random.key(0)))
-    L = cfg.model.num_layers
+    L = cfg.model.num_moe_layers
     layer, experts = 0, 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params["layers"]):
         if mesh_lib.param_spec(path, leaf) == mesh_lib.P():
             layer += _nbytes(leaf) // L
         else:
             experts += _nbytes(leaf) // L
-    top = sum(_nbytes(leaf) for key, leaf in params.items() if key != "layers")
-    return layer, top, experts
+    dense = sum(_nbytes(leaf) for leaf in jax.tree.leaves(params.get("dense_layers", {})))
+    top = sum(_nbytes(leaf) for key, leaf in params.items() if key not in mesh_lib.STACKED)
+    return LayerSplit(layer, top, experts, dense // max(cfg.model.dense_layers, 1))
 
 
 def _rows_per_microbatch(cfg: RunConfig) -> int:
@@ -344,7 +357,7 @@ def _rows_per_microbatch(cfg: RunConfig) -> int:
     return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
 
 
-def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, platform: str = "gpu") -> dict[str, int]:
+def communication(cfg: RunConfig, split: LayerSplit | None = None, platform: str = "gpu") -> dict[str, int]:
     """Bytes one device sends per step, by collective: the collectives XLA's partitioner emits for the step.
 
     Read off the compiled HLO (`collective_bytes`; `benchmarks/comm_bytes.py` compares the two), each
@@ -369,10 +382,11 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
     n = R * X  # the devices the batch is split over
     model, moe = cfg.model, cfg.model.moe
-    L, S, E, k = model.num_layers, model.seq_len, moe.num_experts, moe.num_experts_per_token
+    L, S, E, k = model.num_moe_layers, model.seq_len, moe.num_experts, moe.num_experts_per_token
     tokens = _rows_per_microbatch(cfg) * S  # one device's, one microbatch
-    layer, top, experts = split or _layer_split(cfg)
-    non_expert = L * layer + top
+    split = split or _layer_split(cfg)
+    top, experts = split.top, split.experts
+    non_expert = split.non_expert(cfg)
     remat = model.remat != "none"
     ring = lambda size, group: size * (group - 1) / group  # noqa: E731  (what one device sends of `size`)
     out = {"all_to_all": 0.0, "all_gather": 0.0, "all_gather_across_racks": 0.0, "reduce_scatter": 0.0,
@@ -391,7 +405,7 @@ def communication(cfg: RunConfig, split: tuple[int, int, int] | None = None, pla
     shard = cfg.mesh.shard
     across = "all_reduce_across_racks" if R > 1 else "all_reduce_in_rack"
     if shard == "full" and X > 1:
-        out["all_gather"] += M * ring(2 * L * layer, X) + ring(top, X)
+        out["all_gather"] += M * ring(2 * (non_expert - top), X) + ring(top, X)
         out["all_reduce_in_rack"] += M * 2 * ring(non_expert, X)
         if R > 1:
             out["all_reduce_across_racks"] += M * 2 * ring(non_expert / X, R)
@@ -420,10 +434,10 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     state = state_bytes(cfg)
     grads = state["params"]  # float32, in the params' layout
     split = _layer_split(cfg)
-    layer, top, _ = split
     grad_sum = grads if M > 1 else 0
     act = activation_bytes(cfg, rows, platform)
-    gathered = 2 * (layer + top) if cfg.mesh.shard == "full" and X > 1 else 0  # one layer + embeddings, and grads
+    # one layer + embeddings, and their grads
+    gathered = 2 * (max(split.layer, split.dense_layer) + split.top) if cfg.mesh.shard == "full" and X > 1 else 0
     # The update reads the largest array's two moments in float32 when they are stored narrower.
     moments_f32 = 2 * state["largest_param"] if cfg.train.moment_dtype != "float32" else 0
     phases = {

@@ -49,7 +49,7 @@ __all__ = ["GROUPS", "NORM_FLOOR", "Incident", "Monitor", "group_norms", "router
 
 # The module groups, in the order `group_norms` emits them (a jitted function's dict output comes back
 # sorted by key instead).
-GROUPS = ("embed", "attention", "router", "experts", "shared_experts", "latent", "norms", "lm_head")
+GROUPS = ("embed", "attention", "router", "experts", "shared_experts", "latent", "dense_mlp", "norms", "lm_head")
 
 # Leaf name (the last dict key on its path) -> group. Every parameter must be listed: an unlisted one
 # raises in `group_norms`, so a new parameter cannot go unmonitored by accident.
@@ -71,6 +71,9 @@ _GROUP_OF = {
     "w_latent_down": "latent",
     "latent_norm": "latent",
     "w_latent_up": "latent",
+    "w_mlp_gate": "dense_mlp",  # `model.dense_layers`' SwiGLU
+    "w_mlp_up": "dense_mlp",
+    "w_mlp_down": "dense_mlp",
     "attn_norm": "norms",
     "mlp_norm": "norms",
     "final_norm": "norms",
@@ -106,8 +109,8 @@ def group_norms(tree: Any, prefix: str) -> dict[str, jax.Array]:
         prefix: what the tree holds, e.g. "params", "grads", "updates".
 
     Returns:
-        `norm/{prefix}/{group}` -> float32 [] for each group in GROUPS that the tree has (the latent
-        and shared-expert groups only exist when the model has them).
+        `norm/{prefix}/{group}` -> float32 [] for each group in GROUPS that the tree has (the latent,
+        shared-expert and dense-MLP groups only exist when the model has them).
 
     Raises:
         ValueError: a leaf whose name belongs to no group, or a leaf not under a dict key.
