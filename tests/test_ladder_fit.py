@@ -727,3 +727,50 @@ def test_on_track_needs_a_run_name_when_the_prediction_holds_several():
     with pytest.raises(DataError, match="holds runs main, other; pass run=<name>"):
         OnTrack(rows)
     assert OnTrack(rows, run="other").run == "other"
+
+
+# ----------------------------------------------------------------------------------------------
+# laws that see the peak LR (issue 52)
+
+
+def _run_at_peak(name, params, num_steps, kind, peak, law, lr_law, ref=3e-3, every=20):
+    """A noiseless run at peak LR `peak` under a law whose S1 (and, `convex`, C) scale with (peak / ref)^law.rho:
+    the relative-LR oracle with B and C rescaled, b (x S1)^-beta = (b x^-beta) S1^-beta."""
+    x = (peak / ref) ** law.rho
+    scaled = replace(law, b=law.b * x ** -law.beta, c=law.c * (x if lr_law == "convex" else 1.0))
+    tokens_per_step = 2e4 * math.sqrt(params / 1e6)
+    lr = peak * _schedule(kind, num_steps)
+    steps = np.unique(np.concatenate([[1], np.arange(every, num_steps + 1, every)]))
+    loss = _oracle_loss(scaled, params, lr, tokens_per_step)[steps - 1]
+    return Run(name, params, steps, steps * tokens_per_step, lr[steps - 1], loss)
+
+
+@pytest.mark.parametrize("lr_law", ["progress", "convex"])
+def test_a_law_that_sees_the_peak_lr_recovers_its_exponent_and_predicts_a_new_lr(lr_law):
+    """Each size at two peak LRs (cosine at 2x the WSD's, as in the public sp-* ladders) identifies rho; a target
+    at a peak LR no rung used is then predicted where the relative-LR law, blind to it, misses."""
+    true = replace(TRUE, rho=0.5)
+    runs = [_run_at_peak(f"r{i}-{kind}", n, 600, kind, peak, true, lr_law)
+            for i, n in enumerate(np.geomspace(1e6, 3e7, 4)) for kind, peak in (("wsd", 3e-3), ("cosine", 6e-3))]
+    law = fit_curve_law(runs, lr_law=lr_law)
+    assert law.lr_law == lr_law and law.rho == pytest.approx(0.5, abs=0.05)
+    target = _run_at_peak("target", 6e7, 600, "wsd", 1.5e-3, true, lr_law)
+    ours = abs(curve_loss(law, target)[-1] / target.loss[-1] - 1)
+    blind = abs(curve_loss(fit_curve_law(runs), target)[-1] / target.loss[-1] - 1)
+    assert ours < 0.003 < 0.01 < blind
+
+
+def test_a_peak_lr_term_the_rungs_cannot_identify_leaves_the_relative_law_and_says_so(tmp_path):
+    """One peak LR per size (the synthetic ladder's 3e-3 everywhere): rho cannot be told from the size term, so
+    every LR-aware law falls back to the relative-LR law exactly, and the summary says so first."""
+    runs = _ladder(np.random.default_rng(0), checkpoint_sd=1e-3)
+    plain = fit_curve_law(runs)
+    for lr_law in ("progress", "convex", "timescale"):
+        assert fit_curve_law(runs, lr_law=lr_law) == plain
+    curves = tmp_path / "CURVES.csv"
+    _write_csv(curves, ["run", "params", "step", "tokens", "lr", "loss"], _curve_rows(runs))
+    target = tmp_path / "TARGET.csv"
+    _write_csv(target, ["run", "params", "step", "tokens", "lr"], [row[:5] for row in _curve_rows(runs[-1:])])
+    summary = fit_curves(curves, target, tmp_path / "PRED.csv", num_bootstrap=20, law="convex")
+    assert summary["law_name"] == "convex" and "rho" not in summary["params"]
+    assert "cannot be told from the size term" in summary["notes"][0]

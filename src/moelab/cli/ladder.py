@@ -144,8 +144,10 @@ def fit(
     exclude: Annotated[Optional[list[str]], typer.Option(
         help="A run of CURVES.csv to leave out of the fit (repeatable), recorded in the sidecar's `excluded`.")] = None,
     law: Annotated[str, typer.Option(
-        help="The annealing term: tissue (an EMA of the LR drop) or multipower (Luo et al. 2025's multi-power "
-             "drop). See docs/scaling-ladder.md, \"Real public curves\".")] = DEFAULT_LAW,
+        help="The curve law: tissue (an EMA of the LR drop), multipower (Luo et al. 2025's multi-power drop), or "
+             "tissue with the peak LR and batch let in where the rungs identify them: tissue-lr (S1 scaled by the "
+             "peak LR^rho), convex (S1 and the anneal gain, Schaipp et al. 2025), timescale (peak LR / batch). "
+             "See docs/scaling-ladder.md, \"The peak LR and the batch\".")] = DEFAULT_LAW,
     band: Annotated[str, typer.Option(
         help="bootstrap (run and checkpoint noise, the fit's uncertainty) or calibrated (also the law's misfit on "
              "runs it did not see: leave a size, horizon or schedule out).")] = DEFAULT_BAND,

@@ -172,7 +172,7 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     `CurveBootstrap.progress_scale`); the refits do not use it (they resample whole residual curves,
     which carry it already), the bands and the live forecast do.
     """
-    rows = replace(_check_ladder(runs, law.form), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
+    rows = replace(_check_ladder(runs, law.form, law.lr_law), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
                    prior_weight=law.prior_weight)
     predicted, residuals, (run_var, run_dof, checkpoint_var, checkpoint_dof) = _noise_of(rows, law)
     scale = rows.scale

@@ -31,6 +31,21 @@ anneals, with two more nonlinear parameters and a drop sum over every earlier st
 real public curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves").
 Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
 
+Where the runs of one size differ in their peak LR (or batch), three candidate laws (issue 52) let the
+absolute peak LR P (and the batch B, in tokens per step) in through one exponent rho in [0, 1], each run's
+exposure x = (P / P_ref) (`lr_law="progress"`, `"convex"`) or (P / B) / (P / B)_ref (`"timescale"`):
+
+- `progress`: S1 -> x^rho * S1 (a run at twice the LR makes up to twice the progress; Luo et al. and
+  Tissue et al. sum the absolute LR).
+- `convex`: S1 -> x^rho * S1 and C -> x^rho * C: the structure of the convex bound of Schaipp et al. 2025,
+  a term in 1 / (gamma * sum eta) and one in gamma (the noise an anneal removes grows with the LR), so the
+  peak LR has an optimum.
+- `timescale`: as `progress` on P / B, the AdamW timescale's variable (Bergsma et al. 2025, tau = B /
+  (eta * lambda * D), weight decay fixed): the LR and the batch enter only through their ratio.
+
+rho = 0 is the relative-LR law. A ladder whose every size has one exposure cannot tell rho from the size
+term: the fit then falls back to the relative-LR law (`exposure_identified`) and says so.
+
 `fit` fits it to a ladder's checkpoints; `bands` puts a band around it.
 """
 
@@ -50,7 +65,10 @@ __all__ = [
     "Run",
     "CurveLaw",
     "FORMS",
+    "LR_LAWS",
     "TRANSIENT_FRACTION",
+    "exposure",
+    "exposure_identified",
     "effective_tokens",
     "anneal_drop",
     "multipower_drop",
@@ -71,6 +89,8 @@ _PEAK_TOLERANCE = 1e-6
 # 0.5%. From 25% on changed little, from 35% on was worse (too few rows to pin the curvature).
 TRANSIENT_FRACTION = 0.15
 FORMS = ("tissue", "multipower")  # the annealing term's forms (`CurveLaw.form`)
+LR_LAWS = ("relative", "progress", "convex", "timescale")  # how the peak LR and batch enter (`CurveLaw.lr_law`)
+_SAME_EXPOSURE = 0.01  # exposures of one size within this relative distance count as one (CSV rounding)
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +158,7 @@ class Run:
 
 @dataclass(frozen=True)
 class CurveLaw:
-    """L(N, t) = e + a * N^-alpha + b * S1(t)^-beta - c * S2(t); see the module docstring."""
+    """L(N, t) = e + a * N^-alpha + b * (x^rho S1(t))^-beta - c [x^rho] * S2(t); see the module docstring."""
 
     e: float
     a: float
@@ -158,7 +178,36 @@ class CurveLaw:
     form: str = "tissue"
     power: float = 0.0
     gamma: float = 0.0
+    # How the absolute peak LR (and batch) enter (module docstring): "relative" (not at all), or "progress",
+    # "convex", "timescale" with exponent `rho` on the run's exposure over `exposure_ref`.
+    lr_law: str = "relative"
+    rho: float = 0.0
+    exposure_ref: float = 1.0
 
+    def exposure_factor(self, run: "Run") -> float:
+        """x^rho: the run's exposure over the reference, to the law's exponent (1 under the relative-LR law)."""
+        if self.lr_law == "relative":
+            return 1.0
+        return (exposure(run, self.lr_law) / self.exposure_ref) ** self.rho
+
+
+
+def exposure(run: Run, lr_law: str) -> float:
+    """The run's peak LR (`progress`, `convex`) or peak LR per token of batch (`timescale`)."""
+    peak = float(run.lr.max())
+    if lr_law == "timescale":
+        return peak / float(run.tokens[-1] / run.steps[-1])
+    return peak
+
+
+def exposure_identified(runs: Sequence[Run], lr_law: str) -> bool:
+    """Whether some size's runs differ in exposure: only then can rho be told apart from the size term."""
+    if lr_law == "relative":
+        return False
+    by_size: dict[float, list[float]] = {}
+    for run in runs:
+        by_size.setdefault(run.params, []).append(exposure(run, lr_law))
+    return any(max(x) > (1 + _SAME_EXPOSURE) * min(x) for x in by_size.values())
 
 
 def _relative_lr(run: Run) -> np.ndarray:
@@ -304,10 +353,12 @@ def curve_losses(laws: Sequence[CurveLaw], run: Run) -> np.ndarray:
     terms = _drop_terms(run, picks) if any(law.form == "multipower" for law in laws) else None
     out = np.empty((len(laws), len(s1)))
     for i, law in enumerate(laws):
-        data_term = np.where(s1 > 0, law.b * safe_s1**-law.beta, np.nan)
+        x = law.exposure_factor(run)
+        data_term = np.where(s1 > 0, law.b * (x * safe_s1)**-law.beta, np.nan)
         anneal = (terms.drop(law.tau, law.power, law.gamma) if law.form == "multipower"
                   else _ema(drop, law.tau)[picks])
-        out[i] = law.e + law.a * run.params**-law.alpha + data_term - law.c * anneal
+        gain = law.c * (x if law.lr_law == "convex" else 1.0)
+        out[i] = law.e + law.a * run.params**-law.alpha + data_term - gain * anneal
     return out
 
 

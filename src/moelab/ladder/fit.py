@@ -28,6 +28,7 @@ from scipy import interpolate, optimize
 from moelab.errors import DataError
 from moelab.ladder.curve import (  # the law's own terms, which `_Rows` tabulates once per fit
     FORMS,
+    LR_LAWS,
     CurveLaw,
     Run,
     _drop_profile,
@@ -35,6 +36,8 @@ from moelab.ladder.curve import (  # the law's own terms, which `_Rows` tabulate
     _DropTerms,
     _ema,
     effective_tokens,
+    exposure,
+    exposure_identified,
     fitted_rows,
 )
 from moelab.ladder.laws import _best_on_grid, _search
@@ -79,6 +82,11 @@ class _Rows:
     noise_exponent: float = 0.0  # the rows are weighted by 1 / noise_scale(N)^2 (`fit_curve_law`)
     noise_ref: float = 1.0
     prior_weight: float = 0.0  # ALPHA_PRIOR's penalty is prior_weight * z^2 (`fit_curve_law`)
+    # [n] log(exposure / exposure_ref) of each row's run under `lr_law` (`curve.exposure`); None under the
+    # relative-LR law, or where the runs do not identify rho (`curve.exposure_identified`)
+    log_exposure: np.ndarray | None = None
+    lr_law: str = "relative"
+    exposure_ref: float = 1.0
 
     @property
     def one_size(self) -> bool:
@@ -98,6 +106,17 @@ class _Rows:
     def anneal_bounds(self) -> list[tuple[float, float]]:
         return [(0.0, self.max_log_tau)] + ([] if self.drops is None else [_LOG_POWER_BOUNDS, _GAMMA_BOUNDS])
 
+    def tail_bounds(self) -> list[tuple[float, float]]:
+        """The bounds of every nonlinear parameter after alpha and beta: the annealing term's, then rho's."""
+        return self.anneal_bounds() + ([] if self.log_exposure is None else [RHO_BOUNDS])
+
+    def exposure_terms(self, rho: float) -> tuple[np.ndarray, np.ndarray]:
+        """([n] rho * log x added to log S1, [n] the factor on the annealing gain: x^rho under `convex`, else 1)."""
+        if self.log_exposure is None:
+            return np.zeros_like(self.loss), np.ones_like(self.loss)
+        shift = rho * self.log_exposure
+        return shift, (np.exp(shift) if self.lr_law == "convex" else np.ones_like(shift))
+
     @property
     def scale(self) -> np.ndarray:
         """[n] each row's noise_scale: residuals divided by it have one variance at every size."""
@@ -115,9 +134,10 @@ _LOG_TAU_KNOT = 0.1
 
 _LOG_POWER_BOUNDS = (math.log(0.02), math.log(20.0))  # the multi-power G's exponent (Luo et al. fit 0.4-0.6)
 _GAMMA_BOUNDS = (0.0, 1.5)  # its LR exponent (Luo et al. fit ~0.5-0.6)
+RHO_BOUNDS = (0.0, 1.0)  # the exposure's exponent (`curve.LR_LAWS`): 0 the relative-LR law, 1 the absolute LR
 
 
-def _rows(runs: Sequence[Run], form: str = "tissue") -> _Rows:
+def _rows(runs: Sequence[Run], form: str = "tissue", lr_law: str = "relative") -> _Rows:
     for run in runs:
         if run.loss is None:
             raise DataError(f"run {run.name!r} has no loss column; the fit needs observed losses.")
@@ -137,7 +157,18 @@ def _rows(runs: Sequence[Run], form: str = "tissue") -> _Rows:
         max_log_tau=max_log_tau,
         drops=_DropTerms.concat([_drop_terms(run, p) for run, p in zip(runs, picks)]) if form == "multipower" else None,
         size=runs[0].params if len({run.params for run in runs}) == 1 else None,
+        **_exposure_rows(runs, keeps, lr_law),
     )
+
+
+def _exposure_rows(runs: Sequence[Run], keeps: Sequence[np.ndarray], lr_law: str) -> dict:
+    """`_Rows`' exposure fields: each row's log(x / x_ref), x_ref the geometric mean over runs, where identified."""
+    if not exposure_identified(runs, lr_law):
+        return {}
+    logs = np.log([exposure(run, lr_law) for run in runs])
+    ref = float(np.mean(logs))
+    return {"log_exposure": np.concatenate([np.full(keep.sum(), x - ref) for x, keep in zip(logs, keeps)]),
+            "lr_law": lr_law, "exposure_ref": math.exp(ref)}
 
 
 def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
@@ -153,10 +184,14 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
 
     weight = 1.0 / rows.scale  # generalized least squares: each row divided by its noise sd
 
+    num_anneal = len(rows.anneal_bounds())
+
     def design(p, s2: np.ndarray | None = None) -> np.ndarray:
         alpha, beta, *q = p
+        shift, gain = rows.exposure_terms(q[num_anneal] if rows.log_exposure is not None else 0.0)
         size = [] if one_size else [np.exp(-alpha * x_n)]
-        return np.column_stack([ones, *size, np.exp(-beta * x_s), -(rows.s2(q) if s2 is None else s2)])
+        return np.column_stack([ones, *size, np.exp(-beta * (x_s + shift)),
+                                -gain * (rows.s2(q[:num_anneal]) if s2 is None else s2)])
 
     def project(p, x: np.ndarray | None = None) -> tuple[np.ndarray, float]:
         coefs, rnorm = optimize.nnls((design(p) if x is None else x) * weight[:, None], rows.loss * weight)
@@ -186,12 +221,14 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
             grad[0] += rows.prior_weight * 2.0 * z / (alpha * ALPHA_PRIOR[1])
         return value + rows.prior_weight * z**2, grad
 
-    bounds = [EXPONENT_BOUNDS, EXPONENT_BOUNDS] + rows.anneal_bounds()
+    bounds = [EXPONENT_BOUNDS, EXPONENT_BOUNDS] + rows.tail_bounds()
     if start is None:
         multipower = rows.form == "multipower"
         exponents = np.linspace(0.05, 1.2, 5 if multipower else 8)
         taus = np.linspace(0.0, rows.max_log_tau - math.log(10.0), 5 if multipower else 7)
         extra = [np.log([0.3, 1.0]), np.array([0.0, 0.6])] if multipower else []
+        if rows.log_exposure is not None:
+            extra.append(np.array([0.0, 0.5, 1.0]))
         start = _best_on_grid(sse, [exponents[:1] if one_size else exponents, exponents, taus, *extra])
     if one_size:  # alpha does not enter: search the others only
         bounds[0] = (start[0], start[0])
@@ -202,7 +239,9 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
     e, a, b, c = coefs
     rmse = float(np.sqrt(np.mean((rows.loss - fitted(x, coefs)) ** 2)))
     alpha, beta, log_tau, *q = p
-    mpl = {"form": "multipower", "power": math.exp(q[0]), "gamma": float(q[1])} if q else {}
+    mpl = {"form": "multipower", "power": math.exp(q[0]), "gamma": float(q[1])} if rows.form == "multipower" else {}
+    if rows.log_exposure is not None:
+        mpl.update(lr_law=rows.lr_law, rho=float(q[-1]), exposure_ref=rows.exposure_ref)
     return CurveLaw(float(e), float(a * math.exp(alpha * ref_n)), 0.0 if one_size else float(alpha),
                     float(b * math.exp(beta * ref_s)), float(beta), float(c), math.exp(log_tau),
                     rmse, rows.size, rows.noise_exponent,
@@ -210,9 +249,10 @@ def _fit_rows(rows: _Rows, start: np.ndarray | None) -> CurveLaw:
 
 
 def _anneal_params(law: CurveLaw) -> list[float]:
-    """The law's annealing parameters as `_Rows.s2` reads them."""
-    q = [math.log(law.tau)]
-    return q + [math.log(law.power), law.gamma] if law.form == "multipower" else q
+    """The law's nonlinear parameters after alpha and beta, as `_fit_rows` searches them: the annealing term's
+    (as `_Rows.s2` reads them), then rho where the law has one."""
+    q = [math.log(law.tau)] + ([math.log(law.power), law.gamma] if law.form == "multipower" else [])
+    return q + ([law.rho] if law.lr_law != "relative" else [])
 
 
 def alpha_prior_z(alpha: float) -> float:
@@ -223,7 +263,7 @@ def alpha_prior_z(alpha: float) -> float:
     return (math.log(alpha) - math.log(median)) / log_sd
 
 
-def _check_ladder(runs: Sequence[Run], form: str = "tissue") -> _Rows:
+def _check_ladder(runs: Sequence[Run], form: str = "tissue", lr_law: str = "relative") -> _Rows:
     names = [r.name for r in runs]
     if not runs:
         raise DataError("the curve law needs at least 1 run; got none.")
@@ -231,8 +271,11 @@ def _check_ladder(runs: Sequence[Run], form: str = "tissue") -> _Rows:
         raise DataError(f"run names repeat ({sorted({n for n in names if names.count(n) > 1})}); name each run once.")
     if form not in FORMS:
         raise DataError(f"form={form!r} is not a form of the curve law's annealing term; one of {', '.join(FORMS)}.")
-    rows = _rows(runs, form)
-    need = (6 if rows.one_size else 8) + (2 if form == "multipower" else 0)
+    if lr_law not in LR_LAWS or (lr_law != "relative" and form != "tissue"):
+        raise DataError(f"lr_law={lr_law!r} with form={form!r}: one of {', '.join(LR_LAWS)}, and only the tissue form "
+                        "takes a law other than 'relative'.")
+    rows = _rows(runs, form, lr_law)
+    need = (6 if rows.one_size else 8) + (2 if form == "multipower" else 0) + (rows.log_exposure is not None)
     if len(rows.loss) < need:
         raise DataError(f"only {len(rows.loss)} rows are past warmup with tokens > 0; the law has {need - 1} "
                         f"parameters{' on curves of one size' if rows.one_size else ''} and needs at least {need} "
@@ -268,7 +311,7 @@ def _noise_exponent(rows: _Rows, law: CurveLaw) -> tuple[float, float]:
 
 
 
-def fit_curve_law(runs: Sequence[Run], form: str = "tissue") -> CurveLaw:
+def fit_curve_law(runs: Sequence[Run], form: str = "tissue", lr_law: str = "relative") -> CurveLaw:
     """Fit the curve law jointly on every post-warmup row of every run (least squares on loss).
 
     Grid: alpha, beta in 0.05..1.2 (8 each), tau in 1..last step (7, log-spaced); then L-BFGS-B
@@ -292,8 +335,11 @@ def fit_curve_law(runs: Sequence[Run], form: str = "tissue") -> CurveLaw:
     level, so run_var is unknown), which leaves the fit to the data. The degrees of freedom of the bands
     (`_variance_components`) count a penalized alpha as a whole parameter; on the tests' 3-size x
     2-seed ladder the run sd moved from 0.0121 (unpenalized) to 0.0122.
+
+    `lr_law` lets the peak LR and batch in (`curve.LR_LAWS`, fitting rho in [0, 1]) where some size's runs
+    differ in them; elsewhere the fit is the relative-LR law's, exactly (`CurveLaw.lr_law` says which).
     """
-    rows = _check_ladder(runs, form)
+    rows = _check_ladder(runs, form, lr_law)
     law = _fit_rows(rows, start=None)
 
     def again(rows: _Rows, law: CurveLaw) -> CurveLaw:
@@ -324,17 +370,23 @@ def _linearize(rows: _Rows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
     def free(value: float, lo: float, hi: float) -> bool:
         return lo * (1 + 1e-9) < value < hi * (1 - 1e-9)  # L-BFGS-B returns an active bound exactly
 
-    log_n, log_s1, q = rows.log_params, rows.log_s1, _anneal_params(law)
-    size, data, s2 = np.exp(-law.alpha * log_n), np.exp(-law.beta * log_s1), rows.s2(q)
+    log_n, q = rows.log_params, _anneal_params(law)
+    shift, gain = rows.exposure_terms(law.rho)
+    log_s1 = rows.log_s1 + shift
+    size, data, s2 = np.exp(-law.alpha * log_n), np.exp(-law.beta * log_s1), gain * rows.s2(q[:len(rows.anneal_bounds())])
     columns = [np.ones_like(s2)] if law.e > 0 else []
     if law.a > 0:
         columns += [size] + ([-law.a * log_n * size] if free(law.alpha, *EXPONENT_BOUNDS) else [])
     if law.b > 0:
         columns += [data] + ([-law.b * log_s1 * data] if free(law.beta, *EXPONENT_BOUNDS) else [])
+    if rows.log_exposure is not None and free(law.rho, *RHO_BOUNDS) and (law.b > 0 or law.c > 0):
+        # rho moves the data term (through log S1) and, under `convex`, the annealing gain
+        d_gain = (gain * rows.log_exposure) if rows.lr_law == "convex" else 0.0
+        columns.append(-law.b * law.beta * rows.log_exposure * data - law.c * d_gain * rows.s2(q[:1]))
     if law.c > 0:
         columns.append(-s2)
         if rows.form == "tissue" and free(law.tau, 1.0, math.exp(rows.max_log_tau)):
-            columns.append(-law.c * rows.anneal(q[0], 1))
+            columns.append(-law.c * gain * rows.anneal(q[0], 1))
         elif rows.form == "multipower":  # by central differences: the drop sum has no closed-form derivative
             for i, (lo, hi) in enumerate(rows.anneal_bounds()):
                 if lo + 1e-6 < q[i] < hi - 1e-6:

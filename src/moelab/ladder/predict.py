@@ -28,7 +28,7 @@ from moelab.ladder.bands import (
 )
 from moelab.ladder.calibrate import measure_misfit, widen
 from moelab.ladder.contract import BAND_COLUMNS, read_curves, read_target_table, write_prediction
-from moelab.ladder.curve import FORMS, CurveLaw, Run, curve_loss, fitted_rows
+from moelab.ladder.curve import CurveLaw, Run, curve_loss, fitted_rows
 from moelab.ladder.fit import ALPHA_PRIOR, EXPONENT_BOUNDS, alpha_prior_z, fit_curve_law
 
 __all__ = ["LAWS", "BANDS", "SELF_CHECK_MIN_COVERAGE", "SELF_CHECK_MAX_BAND", "self_check", "fit_curves"]
@@ -36,7 +36,16 @@ __all__ = ["LAWS", "BANDS", "SELF_CHECK_MIN_COVERAGE", "SELF_CHECK_MAX_BAND", "s
 _MIN_BOOTSTRAP = 20  # fewer refits cannot place a 2.5% quantile between two of them
 # The curve laws and band methods `fit_curves` offers (docs/scaling-ladder.md, "Real public curves": the default
 # of each was chosen by a rule fixed before scoring).
-LAWS = FORMS  # the annealing term's form: Tissue et al.'s EMA of the LR drop, or Luo et al.'s multi-power drop
+# `--law`: name -> (the annealing term's form: Tissue et al.'s EMA of the LR drop or Luo et al.'s multi-power drop,
+# how the peak LR and the batch enter: `curve.LR_LAWS`). Chosen by the rule in docs/scaling-ladder.md.
+LAWS = {"tissue": ("tissue", "relative"), "multipower": ("multipower", "relative"),
+        "tissue-lr": ("tissue", "progress"), "convex": ("tissue", "convex"), "timescale": ("tissue", "timescale")}
+
+
+def _fitter(law: str) -> Callable[[Sequence[Run]], CurveLaw]:
+    """`fit_curve_law` for the `--law` named `law`."""
+    form, lr_law = LAWS[law]
+    return partial(fit_curve_law, form=form, lr_law=lr_law)
 BANDS = ("bootstrap", "calibrated")  # calibrated: widened by the law's held-out misfit (`calibrate`)
 # The self-check fails when fewer of the held-out rung's scored evals than this lie inside the 95% band predicted for
 # them: its rows share one run offset, so a band that holds the rung's noise and the law's misfit holds nearly all
@@ -60,21 +69,21 @@ def self_check(curves: Sequence[Run], num_bootstrap: int = NUM_BOOTSTRAP, seed: 
     The one test a ladder can run on itself before its target trains: the largest rung is the
     nearest thing to the target the fit has seen. Needs runs at 3 or more sizes (2 left to fit);
     otherwise {"skipped": reason}. `final_error` and the band are averaged over the held-out runs.
-    `law` is the annealing term's form (`curve.FORMS`). With `band="calibrated"` the held-out rung's band is widened by the misfit the smaller sizes
-    show among themselves (`calibrate.measure_misfit`), as the target's is by all of them.
+    `law` is the `--law` (`LAWS`). With `band="calibrated"` the held-out rung's band is widened by the misfit the
+    smaller sizes show among themselves (`calibrate.measure_misfit`), as the target's is by all of them.
     """
     sizes = sorted({r.params for r in curves})
     if len(sizes) < 3:
         return {"skipped": f"the curves hold {len(sizes)} size(s); leaving the largest out needs at least 3."}
     held = [r for r in curves if r.params == sizes[-1]]
     rest = [r for r in curves if r.params != sizes[-1]]
-    form = law
-    law = fit_curve_law(rest, form)
+    fit = _fitter(law)
+    law = fit(rest)
     bootstrap = bootstrap_curve_law(rest, law, num_bootstrap, seed, progress)
     bands = [predict_with_bands(law, bootstrap, replace(r, loss=None)) for r in held]
     if band == "calibrated":
         try:
-            misfit = measure_misfit(rest, partial(fit_curve_law, form=form))
+            misfit = measure_misfit(rest, fit)
             bands = [widen(b, misfit, r) for b, r in zip(bands, held)]
         except DataError:
             pass  # the check then holds the rung against the bootstrap band, the narrower: it fails sooner
@@ -147,6 +156,8 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
     names = {"E": "e", "A": "a", "alpha": "alpha", "B": "b", "beta": "beta", "C": "c", "tau_steps": "tau"}
     if law.form == "multipower":
         names.update({"power": "power", "gamma": "gamma"})
+    if law.lr_law != "relative":
+        names.update({"rho": "rho", "exposure_ref": "exposure_ref"})
     refits = {k: np.array([getattr(r, v) for r in bootstrap.laws]) for k, v in names.items()}
     notes = []
     if bootstrap.run_dof == 0:
@@ -202,7 +213,11 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
     summary = {
         "law": ("L(t) = E + B*S1(t)^-beta - C*S2(t) (one size)" if law.size is not None
                 else "L(N, t) = E + A*N^-alpha + B*S1(t)^-beta - C*S2(t)")
-               + ("; S2 = LD(t) / B, the multi-power drop (Luo et al. 2025)" if law.form == "multipower" else ""),
+               + ("; S2 = LD(t) / B, the multi-power drop (Luo et al. 2025)" if law.form == "multipower" else "")
+               + {"relative": "", "progress": "; S1 scaled by x^rho, x the run's peak LR over exposure_ref",
+                  "convex": "; S1 and C scaled by x^rho, x the run's peak LR over exposure_ref (Schaipp et al. 2025)",
+                  "timescale": "; S1 scaled by x^rho, x the run's peak LR per token of batch over exposure_ref"
+                  }[law.lr_law],
         "params": {k: getattr(law, v) for k, v in names.items()},
         "params_95": {k: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))] for k, v in refits.items()},
         "noise": {"run_sd": bootstrap.run_sd, "checkpoint_sd": bootstrap.checkpoint_sd, "run_dof": bootstrap.run_dof,
@@ -287,20 +302,20 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     if clash:
         raise DataError(f"{target_path} already has column(s) {', '.join(clash)}, which PRED.csv adds; "
                         "pass the planned schedule without predictions.")
-    form = law
+    name, fit = law, _fitter(law)
     try:
-        law = fit_curve_law(curves, form)
+        law = fit(curves)
         for run in targets:
             curve_loss(law, run)  # a one-size law refuses another size before any bootstrap
         shared = shared_noise(curves, law) if same_data_order else None
         bootstrap = bootstrap_curve_law(curves, law, num_bootstrap, seed, progress)
-        check = self_check(curves, num_bootstrap, seed, progress, band, form)
+        check = self_check(curves, num_bootstrap, seed, progress, band, name)
     except DataError as err:
         raise DataError(f"{curves_path}: {err}") from err
     misfit, unmeasured = None, None
     if band == "calibrated":
         try:
-            misfit = measure_misfit(curves, partial(fit_curve_law, form=form), same_data_order)
+            misfit = measure_misfit(curves, fit, same_data_order)
         except DataError as err:
             unmeasured = (f"the law's misfit on runs it did not see could not be measured ({err}): the bands hold "
                           "the bootstrap's noise alone and are too narrow wherever the law misses.")
@@ -309,6 +324,18 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
         predictions = {run.name: widen(predictions[run.name], misfit, run) for run in targets}
     summary = _summary_of(law, bootstrap, curves, targets, predictions, check, num_bootstrap, seed, out_path)
     summary["band"] = band
+    summary["law_name"] = name
+    lr_law = LAWS[name][1]
+    if lr_law != "relative" and law.lr_law == "relative":
+        summary["notes"].insert(0, f"--law {name}: no size of the curves has runs at two "
+                                + ("values of peak LR per token of batch" if lr_law == "timescale" else "peak LRs")
+                                + ", so the LR term cannot be told from the size term: the fit is tissue's "
+                                  "(the relative-LR law), and so is the prediction.")
+    elif lr_law != "relative":
+        summary["notes"].append(f"--law {name}: rho = {law.rho:.3f} on the runs' "
+                                + ("peak LR per token of batch" if lr_law == "timescale" else "peak LR")
+                                + f" over {law.exposure_ref:.4g}" + (" (at its bound 0: the relative-LR law)"
+                                                                     if law.rho <= 1e-6 else "") + ".")
     summary["notes"].extend(_setup_notes(curves, targets))
     if misfit is not None:
         summary["misfit"] = misfit.as_json(max(misfit.distance_of(run) for run in targets))
