@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-GPU benchmark suite (issue 9): bf16 matmul peak, the MoE layer alone (every backend, grouped's
 # tile variants, a breakdown of where the time goes), then the train step of gpu-small and gpu-medium
-# under capacity / grouped / ep (dropless on CPU only) and their equal-FLOP dense counterparts.
+# under capacity / grouped / ep (dropless on CPU only) and their equal-FLOP dense counterparts, and (issue 53)
+# FP8 beside bf16: the layer and both steps on capacity, and a short loss comparison (benchmarks/fp8_loss.py).
 #
-#   benchmarks/gpu_suite.sh OUTDIR                      # on an H200: ~6.5 minutes planned, capped at 7.5
+#   benchmarks/gpu_suite.sh OUTDIR                      # on an H200: ~8 minutes planned, capped at 9
 #   MOELAB_SUITE_TINY=1 benchmarks/gpu_suite.sh OUTDIR  # CPU-sized shapes, same logic (also the default without a GPU)
 #
 # Writes OUTDIR/matmul.json, OUTDIR/moe_layer.json and OUTDIR/mfu_PRESET_BACKEND.json (one per run; a run
@@ -17,7 +18,7 @@ OUT=${1:?usage: benchmarks/gpu_suite.sh OUTDIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(dirname "$HERE")
 PY=${MOELAB_PYTHON:-python3}
-BUDGET_S=${MOELAB_SUITE_BUDGET_S:-450}
+BUDGET_S=${MOELAB_SUITE_BUDGET_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_COMPILATION_CACHE_DIR=${MOELAB_JAX_CACHE:-/tmp/moelab_jax_cache}
@@ -40,17 +41,18 @@ if [ "${MOELAB_SUITE_TINY:-0}" = "1" ]; then
   # One process per script, so the CI pays JAX's start-up and the matmul compile once.
   RUNS=()
   for p in $MOE_PRESETS; do for b in $BACKENDS; do RUNS+=(--run "$p:$b"); done; done
-  for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense"); done
+  for p in $MOE_PRESETS; do RUNS+=(--run "$p-dense:dense" --run "$p:capacity-fp8"); done
   LAYER_SHAPE=(--tokens 256 --d 64 --experts 8 --topk 2 --width 32 --iters 2 --out "$OUT/moe_layer.json" --json)
   # In three parts, as on the GPU, so the merges are tested too.
   ("$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --backends capacity,grouped --check --profile
    "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends "" \
        --grouped-variants 16x32x16w4s3,16x32x16w4s3-rows-unfused --breakdown
-   "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends ep,dropless) > "$OUT/moe_layer.log" 2>&1 &
+   "$PY" "$HERE/moe_layer.py" "${LAYER_SHAPE[@]}" --merge --backends ep,dropless,capacity-fp8) > "$OUT/moe_layer.log" 2>&1 &
   LAYER=$!
   "$PY" "$HERE/mfu.py" --matmul-only --tiny --out-dir "$OUT" --json > "$OUT/matmul.log" 2>&1
   "$PY" "$HERE/mfu.py" --tiny "${RUNS[@]}" --steps 1 --windows 2 --warmup 0 --profile --out-dir "$OUT" --json \
       > "$OUT/mfu.log" 2>&1
+  "$PY" "$HERE/fp8_loss.py" --preset tiny --steps 2 --json-out "$OUT/fp8_loss.json" > "$OUT/fp8_loss.log" 2>&1
   wait $LAYER
 else
   # run SECONDS_CAP "FILE..." NAME CMD...: the command under a timeout that also respects the suite's
@@ -104,6 +106,12 @@ else
   # One tile variant (the fastest alternative of 2026-12-04's five) and the breakdown, then ep's layer.
   run 100 "$OUT/moe_layer.json" moe_layer_variants "$PY" "$HERE/moe_layer.py" --merge --backends "" \
       --grouped-variants 128x128x64w4s3-unfused --breakdown --budget-s 2 --out "$OUT/moe_layer.json" --json
+  # Issue 53: FP8 beside bf16 (the layer and both train steps on capacity), and the loss they reach.
+  run 60 "$OUT/moe_layer.json" moe_layer_fp8 "$PY" "$HERE/moe_layer.py" --merge --backends capacity-fp8 \
+      --budget-s 2 --out "$OUT/moe_layer.json" --json
+  mfu_runs 90 gpu-medium:capacity-fp8 gpu-small:capacity-fp8
+  run 120 "$OUT/fp8_loss.json" fp8_loss "$PY" "$HERE/fp8_loss.py" --preset gpu-small --steps 150 \
+      --json-out "$OUT/fp8_loss.json"
   run 60 "$OUT/moe_layer.json" moe_layer_ep "$PY" "$HERE/moe_layer.py" --merge --backends ep \
       --budget-s 2 --out "$OUT/moe_layer.json" --json
   # dropless (ragged_dot) is refused on a GPU (`make_dispatch`: its fallback asked for 112.5 GiB): grouped

@@ -45,6 +45,12 @@ from profile_summary import profile_call  # noqa: E402
 
 DATASHEET_PEAK = 989e12  # H100 / H200 SXM dense bf16, FLOP/s
 BACKENDS = ("capacity", "grouped", "dropless", "ep", "dense")
+FP8 = "-fp8"  # a backend name with this suffix runs it with model.fp8 (issue 53): "capacity-fp8"
+
+
+def split_backend(name: str) -> tuple[str, bool]:
+    """'capacity-fp8' -> ('capacity', True); 'capacity' -> ('capacity', False)."""
+    return (name.removesuffix(FP8), True) if name.endswith(FP8) else (name, False)
 
 
 def on_gpu() -> bool:
@@ -87,11 +93,11 @@ def resolve_config(preset: str, backend: str | None, tiny: bool, batch_size: int
         cfg = presets.get(preset)
         cfg = shrink(cfg) if tiny else cfg
     is_dense = cfg.model.moe.dispatch == "dense"
-    backend = backend or cfg.model.moe.dispatch
-    if is_dense != (backend == "dense"):
+    backend, fp8 = split_backend(backend or cfg.model.moe.dispatch)
+    if is_dense != (backend == "dense") or backend not in BACKENDS:
         raise SystemExit(f"--backend {backend} does not fit preset {preset} (dense presets take --backend dense, "
-                         "MoE presets capacity, grouped, dropless or ep).")
-    cfg = replace(cfg, model=replace(cfg.model, moe=replace(cfg.model.moe, dispatch=backend)),
+                         f"MoE presets capacity, grouped, dropless or ep; any of them with {FP8} for model.fp8).")
+    cfg = replace(cfg, model=replace(cfg.model, fp8=fp8, moe=replace(cfg.model.moe, dispatch=backend)),
                   mesh=MeshConfig(replica=1, expert=1))
     if batch_size is not None:
         cfg = replace(cfg, train=replace(cfg.train, batch_size=batch_size))
@@ -240,7 +246,8 @@ def run_one(preset: str, backend: str | None, args: argparse.Namespace, peak: di
               "matmul_n": peak["n"], "matmul_peak_flops": peak["flops_per_s"]}
     try:
         cfg = resolve_config(preset, backend, args.tiny, args.batch_size)
-        result |= {"backend": cfg.model.moe.dispatch, "tiny": args.tiny, "remat": cfg.model.remat,
+        result |= {"backend": cfg.model.moe.dispatch + (FP8 if cfg.model.fp8 else ""), "fp8": cfg.model.fp8,
+                   "tiny": args.tiny, "remat": cfg.model.remat,
                    "compute_dtype": cfg.train.compute_dtype}
 
         def on_timed(timing: dict) -> None:
@@ -260,7 +267,8 @@ def run_one(preset: str, backend: str | None, args: argparse.Namespace, peak: di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gpu-small")
-    parser.add_argument("--backend", choices=BACKENDS, default=None, help="default: the preset's own dispatch")
+    parser.add_argument("--backend", choices=[*BACKENDS, *(b + FP8 for b in BACKENDS)], default=None,
+                        help=f"default: the preset's own dispatch; with {FP8}, in FP8 (model.fp8)")
     parser.add_argument("--run", action="append", default=[], metavar="PRESET:BACKEND",
                         help="several runs in this one process (repeatable; needs --out-dir)")
     parser.add_argument("--out-dir", default=None, help="write mfu_PRESET_BACKEND.json per run here")

@@ -11,7 +11,8 @@ input. Useful throughput counts only the experts' matmuls a token needs:
 
 (forward + backward = 3 x forward; a SwiGLU expert is 3 matmuls of d x width). Drops under `capacity`
 are not subtracted. `ep` is the expert-parallel backend on a 1x1 mesh. A backend that fails (out of
-memory, say) reports `status` "error" and the others still run.
+memory, say) reports `status` "error" and the others still run. A backend named with "-fp8"
+(`--backends capacity-fp8`) runs its expert GEMMs in FP8 (`model.fp8`, issue 53).
 
 Where the time goes, without a profiler:
 - `--grouped-variants`: `grouped` again with other Pallas tile sizes (`BMxBNxBKwWARPSsSTAGES`), reported
@@ -72,9 +73,11 @@ MOVES_WIDTH = 16  # expert width of the "moves" part: the smallest `grouped` acc
 
 
 def layer_config(d: int, experts: int, topk: int, width: int, backend: str, capacity_factor: float) -> ModelConfig:
+    """The layer's model; `backend` with the suffix "-fp8" runs its expert GEMMs in FP8 (`model.fp8`)."""
+    fp8 = backend.endswith("-fp8")
     moe_cfg = MoEConfig(num_experts=experts, num_experts_per_token=topk, expert_dim=width,
-                        capacity_factor=capacity_factor, dispatch=backend, balancing="none")
-    return ModelConfig(d_model=d, num_heads=1, num_kv_heads=1, head_dim=2, num_layers=1, moe=moe_cfg)
+                        capacity_factor=capacity_factor, dispatch=backend.removesuffix("-fp8"), balancing="none")
+    return ModelConfig(d_model=d, num_heads=1, num_kv_heads=1, head_dim=2, num_layers=1, moe=moe_cfg, fp8=fp8)
 
 
 def useful_flops(tokens: int, topk: int, d: int, width: int) -> int:
@@ -129,7 +132,7 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
     `backend_fn(h, routing, experts)`, if given, replaces the configured backend as `moe.apply`'s
     `dispatch` (how `grouped` runs with other tiles); `ep` runs on a 1x1 mesh.
     """
-    dispatch = backend_fn or ep.make_dispatch(cfg.moe, mesh_lib.make_mesh(MeshConfig()))
+    dispatch = backend_fn or ep.make_dispatch(cfg.moe, mesh_lib.make_mesh(MeshConfig()), fp8=cfg.fp8)
     params, x, cot = _inputs(cfg, tokens)
     bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
 

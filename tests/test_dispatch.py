@@ -371,7 +371,7 @@ def test_the_model_requires_its_dispatch_and_decoding_runs_without_drops():
     tokens = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(TypeError, match="dispatch"):
         transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg))
-    assert dispatch_lib.no_drops(cfg.moe).__name__ == "dropless"
+    assert dispatch_lib.no_drops(cfg.moe).func.__name__ == "dropless"
     _, aux = transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg),
                                dispatch=dispatch_lib.no_drops(cfg.moe))
     assert float(aux["drop_fraction"]) == 0.0

@@ -62,7 +62,7 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     assert matmul["matmul_peak_flops"] > 0 and {"matmul_n", "fraction_of_datasheet"} <= set(matmul)
     layer = json.loads((tmp_path / "moe_layer.json").read_text())
     assert set(layer["backends"]) == {"capacity", "grouped", "dropless", "ep", "grouped[16x32x16w4s3]",
-                                      "grouped[16x32x16w4s3-rows-unfused]"}
+                                      "grouped[16x32x16w4s3-rows-unfused]", "capacity-fp8"}
     for backend in layer["backends"].values():
         assert LAYER_KEYS <= set(backend)
     for backend in ("capacity", "grouped"):  # the first part ran with --profile
@@ -90,7 +90,10 @@ def test_suite_tiny_writes_every_file_and_the_table(tmp_path):
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["jax"] == jax.__version__ and len(record["commit"] or "") == 40
     assert set(record["mfu"]) == {f"{p}:{b}" for p, b in suite_table.MFU_RUNS}
-    assert [t["verdict"] for t in record["targets"]] == ["n/a (no GPU)"] * 4
+    assert [t["verdict"] for t in record["targets"]] == ["n/a (no GPU)"] * 7
+    fp8 = json.loads((tmp_path / "fp8_loss.json").read_text())  # issue 53: the same seed, bf16 and FP8
+    assert fp8["fp8"]["fp8"] and not fp8["bf16"][0]["fp8"] and fp8["fp8"]["loss"] != fp8["bf16"][0]["loss"]
+    assert "FP8 against bf16 (tiny, 2 steps, seed 0)" in proc.stdout
 
 
 def _assert_profile(profile: dict) -> None:
@@ -261,9 +264,26 @@ def test_targets_see_the_gpu_in_any_run_and_refuse_tiny_shapes(tmp_path):
     (tmp_path / "matmul.json").write_text(json.dumps({"status": "timeout"}))  # the matmul run was killed
     (tmp_path / "mfu_gpu-medium_capacity.json").write_text(json.dumps(
         {"status": "ok", "platform": "gpu", "mfu_datasheet": 0.5, "tokens_per_s": 900.0}))
-    assert {t["verdict"] for t in suite_table.targets(tmp_path)} == {"met"}
+    verdicts = {t["target"]: t["verdict"] for t in suite_table.targets(tmp_path)}
+    assert {v for t, v in verdicts.items() if "FP8" not in t} == {"met"}
+    assert {v for t, v in verdicts.items() if "FP8" in t} == {"not measured"}  # no FP8 run in this suite
     _layer_file(tmp_path, True, tokens=256)  # a GPU run with MOELAB_SUITE_TINY=1
     assert {t["verdict"] for t in suite_table.targets(tmp_path)} == {"n/a (tiny shapes)"}
+
+
+def test_fp8_targets_compare_each_fp8_run_with_its_bf16_twin(tmp_path):
+    """Issue 53's bars: the FP8 layer's speed over bf16 `capacity`'s (time ratio), gpu-medium's FP8 tokens/s over
+    bf16's, and |FP8 - bf16| of the comparison run's final loss, which is met at or below its bar."""
+    _fake_suite(tmp_path, 400.0, {"capacity": 0.3, "capacity-fp8": 0.33}, {"capacity": 1000.0, "capacity-fp8": 1100.0})
+    layer = json.loads((tmp_path / "moe_layer.json").read_text())
+    layer["backends"] |= {"capacity": {"status": "ok", "seconds": 0.002}, "capacity-fp8": {"status": "ok", "seconds": 0.0015}}
+    (tmp_path / "moe_layer.json").write_text(json.dumps(layer))
+    for loss, verdict in ((0.001, "met"), (-0.004, "missed")):
+        (tmp_path / "fp8_loss.json").write_text(json.dumps({"status": "ok", "fp8_vs_bf16_loss": loss}))
+        got = {t["target"]: (t["value"], t["verdict"]) for t in suite_table.targets(tmp_path)}
+        assert got["FP8 / bf16 expert layer speed"] == (pytest.approx(4 / 3), "met")
+        assert got["gpu-medium FP8 / bf16 tokens/s"] == (pytest.approx(1.1), "missed")
+        assert got["|FP8 - bf16| final loss"] == (abs(loss), verdict)
 
 
 def test_mfu_arithmetic_comes_from_accounting():
@@ -457,8 +477,12 @@ echo "$*" >> "$FAKE_LOG"
 out_dir="" out="" runs=()
 while [ $# -gt 0 ]; do
   case "$1" in --out-dir) out_dir=$2; shift;; --out) out=$2; shift;; --run) runs+=("$2"); shift;;
-               --matmul-only) runs+=(matmul);; esac; shift
+               --json-out) fp8_out=$2; shift;; --matmul-only) runs+=(matmul);; esac; shift
 done
+if [ -n "${fp8_out:-}" ]; then
+  echo '{"status": "ok", "preset": "gpu-small", "steps": 150, "bf16": [{"loss": 2.0, "eval_mean": 2.1}],'\
+' "fp8": {"loss": 2.002, "eval_mean": 2.101}, "fp8_vs_bf16_loss": 0.001, "fp8_vs_bf16_eval": 0.0005}' > "$fp8_out"
+fi
 for r in "${runs[@]}"; do
   # Each run advances the suite's clock (MOELAB_SUITE_CLOCK) by FAKE_SECONDS: its budget, not the machine's speed.
   [ -n "${FAKE_SECONDS:-}" ] && echo $(( $(cat "$MOELAB_SUITE_CLOCK") + FAKE_SECONDS )) > "$MOELAB_SUITE_CLOCK"
@@ -498,7 +522,7 @@ def test_gpu_path_writes_every_file_with_dropless_refused_and_few_processes(tmp_
     assert statuses == {name: "refused" if "dropless" in name else "ok" for name in suite_table.EXPECTED_FILES}
     assert "grouped" in json.loads((out / "mfu_gpu-medium_dropless.json").read_text())["error"]
     assert not any("dropless" in call for call in calls)
-    assert len(calls) == 7  # matmul, three train-step processes, three layer parts
+    assert len(calls) == 10  # matmul, four train-step processes, four layer parts, the FP8 loss comparison
     assert "--matmul-only" in calls[0] and "--run gpu-medium:grouped" in calls[1] and "--profile" in calls[1]
 
 

@@ -254,6 +254,11 @@ class ModelConfig:
     specific enough to route well). `num_layers` counts them; the router bias and the per-layer MoE metrics
     cover the num_layers - dense_layers MoE blocks only."""
     dense_ffn_dim: int | None = None  # the dense layers' SwiGLU width; None: the MoE block's active width
+    fp8: bool = False
+    """FP8 matmuls (`moelab.model.fp8`): every attention and MLP projection and every expert GEMM reads e4m3
+    operands (activations scaled per row, weights per tensor or per expert) and e5m2 gradients, accumulating in
+    float32; the router, norms, softmaxes and the lm head keep the compute dtype. On a GPU it needs compute
+    capability 8.9 (Ada, Hopper) and a dispatch other than `grouped`; on a CPU it runs as an emulation."""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
@@ -288,6 +293,7 @@ class ModelConfig:
         _check(isinstance(self.dense_layers, int) and not isinstance(self.dense_layers, bool)
                and 0 <= self.dense_layers < self.num_layers, p + "dense_layers", self.dense_layers,
                f"must be an integer in [0, model.num_layers={self.num_layers}): at least one block is a MoE block")
+        _check(isinstance(self.fp8, bool), p + "fp8", self.fp8, "must be true or false")
         if self.dense_ffn_dim is not None:
             _positive_int_or_null(p + "dense_ffn_dim", self.dense_ffn_dim, "the MoE block's active width")
         if self.qk_norm is not None:

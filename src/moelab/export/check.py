@@ -61,7 +61,7 @@ def moelab_logits(run: Any, tokens: np.ndarray) -> np.ndarray:
     """moelab's float32 logits [B, S, V] of `tokens` [B, S] under the `dropless` dispatch (no token dropped)."""
     cfg = run.cfg.model
     logits, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), cfg, run.router_bias,
-                                  dispatch=no_drops(cfg.moe))
+                                  dispatch=no_drops(cfg.moe, cfg.fp8))
     return np.asarray(logits)
 
 

@@ -1,6 +1,7 @@
 """The model (layer 1): pure functions of params and tokens, no mesh and no files.
 
-- `layers`: RMSNorm and the init scales the transformer and the MoE block share.
+- `layers`: RMSNorm, the dense SwiGLU and the init scales the transformer and the MoE block share.
+- `fp8`: FP8 matmuls (`model.fp8`): e4m3 operands, e5m2 gradients, current scaling.
 - `transformer`: embedding, pre-norm blocks (GQA attention with RoPE, MoE), lm head, loss.
 - `moe`: the MoE block: router, LatentMoE projection, routed experts through a given dispatch, shared experts.
 - `router`: scores, biased top-k, combine weights and router statistics.

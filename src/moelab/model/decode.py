@@ -65,7 +65,7 @@ def make_greedy_decode(cfg: ModelConfig, prompt_len: int, vocab_size: int, compu
     """
     if cfg.moe.dispatch == "ep":
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="capacity"))
-    dispatch = single_device(cfg.moe)
+    dispatch = single_device(cfg.moe, cfg.fp8)
     seq_len = cfg.seq_len
     num_new = max(0, min(CONTINUATION_TOKENS, seq_len - prompt_len))
     valid = jnp.arange(cfg.vocab_size) < vocab_size
@@ -180,7 +180,7 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
         logits [B, T, V] float32 and the cache grown by T.
     """
     start = cache.length
-    dense, routed = transformer.mlps(cfg, compute_dtype, no_drops(cfg.moe))
+    dense, routed = transformer.mlps(cfg, compute_dtype, no_drops(cfg.moe, cfg.fp8))
 
     def block(mlp, x, layer_bias_kv):
         layer, bias, k_cache, v_cache = layer_bias_kv

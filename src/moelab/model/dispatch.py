@@ -38,12 +38,13 @@ from jax.ad_checkpoint import checkpoint_name
 
 from moelab.config import MoEConfig
 from moelab.errors import ConfigError
+from moelab.model import fp8 as fp8_lib
 from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
 __all__ = ["BACKENDS", "EXPERT_MATMUL", "Dispatch", "single_device", "dense", "capacity", "dropless", "grouped",
-           "no_drops", "expert_capacity", "grouped_swiglu", "swiglu_buffers"]
+           "no_drops", "expert_capacity", "grouped_swiglu", "swiglu_buffers", "bind", "check_fp8"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
 
@@ -101,21 +102,38 @@ def _inverse(order: jax.Array) -> jax.Array:
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
 
 
-def dense(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, Stats]:
+def _rounded(h: jax.Array, experts: Experts, fp8: bool) -> tuple[jax.Array, Experts]:
+    """With `fp8`, the gate and up GEMMs' operands rounded to e4m3: h per row (so each row rounds alike whichever
+    rows a backend gathers), each expert on its own scale. For the backends whose GEMMs are written as
+    quantize-dequantize around a plain matmul (`dense`, `dropless`, `grouped`); `capacity` and `ep` call
+    `fp8.fp8_einsum`, which rounds its own operands."""
+    return (fp8_lib.forward_fp8(h), fp8_lib.expert_weights(experts, True)) if fp8 else (h, experts)
+
+
+def _expert_output(y: jax.Array, fp8: bool) -> jax.Array:
+    """The down GEMM's output; with `fp8` its gradient is rounded to e5m2 per row (`fp8.gradient_fp8`)."""
+    return fp8_lib.gradient_fp8(y) if fp8 else y
+
+
+def dense(h: jax.Array, routing: Routing, experts: Experts, fp8: bool = False) -> tuple[jax.Array, Stats]:
     """Runs every expert on every token and keeps the chosen ones: the reference.
 
     Args:
         h: [T, Din] expert inputs.
         routing: chosen experts and combine weights.
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
+        fp8: the expert GEMMs in FP8 (`moelab.model.fp8`): h and the hidden rows per row, the weights per
+            expert, the GEMMs' output gradients per row, as every backend rounds them.
 
     Returns:
         out [T, Din] and stats (`load` [E], `dropped` = 0, `assignments` = T * k).
     """
     E = experts["w_gate"].shape[0]
+    h, experts = _rounded(h, experts, fp8)
     gate = jnp.einsum("td,edf->tef", h, experts["w_gate"])
     up = jnp.einsum("td,edf->tef", h, experts["w_up"])
-    y = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, experts["w_down"])  # [T, E, Din]
+    y = jnp.einsum("tef,efd->ted", fp8_lib.expert_hidden(gate, up, fp8), experts["w_down"])  # [T, E, Din]
+    y = _expert_output(y, fp8)
     # [T, E] combine matrix: zero for the experts a token did not choose, so they add nothing and
     # receive no gradient.
     mask = jax.nn.one_hot(routing.expert_idx, E, dtype=routing.weights.dtype)  # [T, k, E]
@@ -124,9 +142,14 @@ def dense(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, 
     return out, _stats(routing, E, 0.0)
 
 
-def swiglu_buffers(buf: jax.Array, experts: Experts) -> jax.Array:
+def swiglu_buffers(buf: jax.Array, experts: Experts, fp8: bool = False) -> jax.Array:
     """[E, C, Din] buffer rows through their own expert's SwiGLU -> [E, C, Din]: batched einsums, the
-    expert matmuls of `capacity` and of `ep`'s receivers."""
+    expert matmuls of `capacity` and of `ep`'s receivers; with `fp8`, FP8 GEMMs (`fp8.fp8_einsum`: each
+    buffer row and each expert on its own scale, so the scales stay outside every sum but the weights')."""
+    if fp8:
+        gate = fp8_lib.fp8_einsum("ecd,edf->ecf", (1, 2), buf, experts["w_gate"])
+        up = fp8_lib.fp8_einsum("ecd,edf->ecf", (1, 2), buf, experts["w_up"])
+        return fp8_lib.fp8_einsum("ecf,efd->ecd", (1, 2), jax.nn.silu(gate) * up, experts["w_down"])
     gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
     up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
     return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])
@@ -140,7 +163,8 @@ def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: flo
     return max(1, math.ceil(capacity_factor * num_assignments / num_experts))
 
 
-def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: float) -> tuple[jax.Array, Stats]:
+def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: float, fp8: bool = False
+             ) -> tuple[jax.Array, Stats]:
     """Fixed-capacity dispatch: sort by expert, [E, C, Din] buffers, batched einsum, gather back.
 
     Args:
@@ -148,6 +172,7 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
         routing: chosen experts and combine weights.
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
         capacity_factor: C = ceil(capacity_factor * T * k / E); `E / k` gives C = T, so nothing drops.
+        fp8: as in `dense`.
 
     Returns:
         out [T, Din] and stats; `dropped` counts assignments past their expert's capacity (the
@@ -171,13 +196,13 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
     slot_assignment = jnp.full((E * C + 1,), T * k, jnp.int32).at[slot].set(order)[: E * C]
 
     buf = take_rows(h, slot_assignment // k, assignment_slot).reshape(E, C, h.shape[1])  # [E, C, Din]
-    y = swiglu_buffers(buf, experts)  # [E, C, Din]
+    y = swiglu_buffers(buf, experts, fp8)  # [E, C, Din]
     rows = take_rows(y.reshape(E * C, -1), assignment_slot, slot_assignment)  # [T * k, Din]
     dropped = jnp.sum(jnp.maximum(counts - C, 0))
     return _combine(rows, routing), _stats(routing, E, dropped)
 
 
-def dropless(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Array, Stats]:
+def dropless(h: jax.Array, routing: Routing, experts: Experts, fp8: bool = False) -> tuple[jax.Array, Stats]:
     """Grouped-GEMM dispatch: `jax.lax.ragged_dot` over the expert-sorted rows, no drops.
 
     Args:
@@ -191,17 +216,19 @@ def dropless(h: jax.Array, routing: Routing, experts: Experts) -> tuple[jax.Arra
     T, k = routing.expert_idx.shape
     E = experts["w_gate"].shape[0]
     order, _, counts = _sort_by_expert(routing.expert_idx, E)
+    h, experts = _rounded(h, experts, fp8)
     position = _inverse(order)  # [T * k] sorted position of each assignment
     x = take_rows(h, order // k, position)  # [T * k, Din], grouped by expert in the order of `counts`
     gate = jax.lax.ragged_dot(x, experts["w_gate"], counts)
     up = jax.lax.ragged_dot(x, experts["w_up"], counts)
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, experts["w_down"], counts)  # [T * k, Din]
+    y = jax.lax.ragged_dot(fp8_lib.expert_hidden(gate, up, fp8), experts["w_down"], counts)  # [T * k, Din]
+    y = _expert_output(y, fp8)
     return _combine(take_rows(y, position, order), routing), _stats(routing, E, 0.0)
 
 
 def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, group_offsets: jax.Array,
                    tiles: dict[str, int] | None = None, gather: tuple[jax.Array, jax.Array] | None = None,
-                   ) -> jax.Array:
+                   fp8: bool = False) -> jax.Array:
     """Block-padded rows [M, Din] through their block's expert SwiGLU with the Pallas `gmm` -> [M, Din].
 
     With `gather` (`gmm`'s argument), `rows` are the source rows and the gate and up matmuls read the
@@ -218,7 +245,7 @@ def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, g
 
     # Gate and up in one call: with `gather`, x's gradient is summed over both before the readers' sum.
     gate, up = gmm(rows, (experts["w_gate"], experts["w_up"]), gather)
-    return gmm(jax.nn.silu(gate) * up, experts["w_down"])
+    return _expert_output(gmm(fp8_lib.expert_hidden(gate, up, fp8), experts["w_down"]), fp8)
 
 
 def _padded_rows(expert_idx: jax.Array, num_experts: int, block_m: int
@@ -238,8 +265,8 @@ def _padded_rows(expert_idx: jax.Array, num_experts: int, block_m: int
     return assignment_row, row_assignment, block_expert, group_offsets
 
 
-def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None
-            ) -> tuple[jax.Array, Stats]:
+def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
+            fp8: bool = False) -> tuple[jax.Array, Stats]:
     """Dropless dispatch through the Pallas grouped GEMM over block-padded expert groups.
 
     The gate and up kernels read each row from `h` through the layout's index (`gmm`'s `gather`), so
@@ -261,16 +288,42 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     E, Din, F = experts["w_gate"].shape
     block_m = (tiles or grouped_matmul.default_tiles(Din, F, jax.default_backend() == "gpu"))["block_m"]
     assignment_row, row_assignment, block_expert, group_offsets = _padded_rows(routing.expert_idx, E, block_m)
+    h, experts = _rounded(h, experts, fp8)
     M = row_assignment.shape[0]
     # Padding rows read row T, a zero row; nothing lists it as read, so its gradient is zero.
     source = jnp.concatenate([h, jnp.zeros((1, Din), h.dtype)])
     readers = jnp.concatenate([assignment_row, jnp.full((k,), M, jnp.int32)])
-    y = grouped_swiglu(source, experts, block_expert, group_offsets, tiles, gather=(row_assignment // k, readers))
+    y = grouped_swiglu(source, experts, block_expert, group_offsets, tiles, gather=(row_assignment // k, readers),
+                       fp8=fp8)
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 
-def single_device(cfg: MoEConfig) -> Dispatch:
+def bind(backend: Callable, fp8: bool = False, **settings) -> Dispatch:
+    """`backend` with its settings and `fp8` bound, as `moe.apply` calls it; `.fp8` says which (`moe.apply` checks
+    it against `model.fp8`, so a dispatch built without it cannot run an FP8 model's experts in bf16)."""
+    bound = functools.partial(backend, fp8=fp8, **settings)
+    bound.fp8 = fp8
+    return bound
+
+
+def check_fp8(cfg: MoEConfig, fp8: bool) -> None:
+    """Refuse, before anything compiles, an FP8 run a GPU cannot run as FP8: a device before compute capability 8.9
+    (no FP8 tensor cores) or the `grouped` backend (its Pallas kernel has no FP8 path). CPUs emulate it."""
+    if not fp8 or jax.default_backend() != "gpu":
+        return
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+    if tuple(int(p) for p in capability.split(".")[:2] if p.isdigit()) < (8, 9):
+        raise ConfigError(f"model.fp8=true needs FP8 tensor cores (compute capability 8.9: Ada, Hopper or later); "
+                          f"this GPU has {capability}. Set model.fp8=false.")
+    if cfg.dispatch == "grouped":
+        raise ConfigError("model.fp8=true with model.moe.dispatch='grouped': the Pallas grouped GEMM has no FP8 path "
+                          "yet. Use --set model.moe.dispatch=capacity (or ep on several devices), or model.fp8=false.")
+
+
+def single_device(cfg: MoEConfig, fp8: bool = False) -> Dispatch:
     """`cfg.dispatch`'s single-device backend with its settings bound: `dispatch(h, routing, experts)`.
+
+    `fp8`: `model.fp8`, the expert GEMMs in FP8 (`check_fp8` refuses what a GPU cannot run).
 
     Raises:
         ValueError: `cfg.dispatch` is not one of `BACKENDS` (`ep` needs a mesh).
@@ -281,21 +334,26 @@ def single_device(cfg: MoEConfig) -> Dispatch:
             "model.moe.dispatch='dropless' does not run on a GPU: XLA lowers jax.lax.ragged_dot there to a dense "
             "fallback, which asked for 112.5 GiB at 16,384 tokens on an H200 (2026-12-04). Use "
             "--set model.moe.dispatch=grouped: the same dropless function through moelab's Pallas grouped GEMM.")
+    check_fp8(cfg, fp8)
     if cfg.dispatch == "capacity":
-        return functools.partial(capacity, capacity_factor=cfg.capacity_factor)
+        return bind(capacity, fp8, capacity_factor=cfg.capacity_factor)
     backends = {"dense": dense, "dropless": dropless, "grouped": grouped}
     if cfg.dispatch not in backends:
         raise ValueError(
             f"model.moe.dispatch={cfg.dispatch!r} is not a single-device backend: build it for a mesh with "
             f"moelab.parallel.ep.make_dispatch(cfg, mesh) and pass it as dispatch=..., or use one of {', '.join(BACKENDS)}."
         )
-    return backends[cfg.dispatch]
+    return bind(backends[cfg.dispatch], fp8)
 
 
-def no_drops(cfg: MoEConfig) -> Dispatch:
+def no_drops(cfg: MoEConfig, fp8: bool = False) -> Dispatch:
     """`cfg`'s routed experts with no token dropped, on one device: what decoding and evaluation run, whatever
     the training dispatch (a capacity sized for a training batch would drop tokens of a short prompt, and
-    `ep` needs a mesh). `dropless` here; `grouped`, the same function, on a GPU, where `dropless` does not run.
+    `ep` needs a mesh). `dropless` here; `grouped`, the same function, on a GPU, where `dropless` does not run
+    (and `capacity` with room for every token under `fp8`, which `grouped` has no kernel for).
     """
+    if fp8 and jax.default_backend() == "gpu":  # C = T: an expert can take every token, so none drops
+        room = cfg.num_experts / cfg.num_experts_per_token
+        return single_device(dataclasses.replace(cfg, dispatch="capacity", capacity_factor=room), fp8)
     backend = "grouped" if jax.default_backend() == "gpu" else "dropless"
-    return single_device(dataclasses.replace(cfg, dispatch=backend))
+    return single_device(dataclasses.replace(cfg, dispatch=backend), fp8)

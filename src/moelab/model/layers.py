@@ -7,6 +7,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from moelab.model import fp8 as fp8_lib
+
 __all__ = ["INIT_STD", "residual_init_std", "rms_norm", "swiglu"]
 
 INIT_STD = 0.02  # every weight matrix starts as N(0, INIT_STD^2), except those of `residual_init_std`
@@ -34,15 +36,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, fp8: bool = False) -> jax.Array:
     """A dense SwiGLU MLP, silu(x @ w_gate) * (x @ w_up) @ w_down (Shazeer 2020), in the operands' dtype.
 
     Args:
         x: [T, D]; w_gate, w_up: [D, F]; w_down: [F, D], all in the compute dtype.
+        fp8: the three matmuls in FP8 (`moelab.model.fp8`).
 
     Returns:
         [T, D] float32.
     """
-    gate = jnp.einsum("td,df->tf", x, w_gate)
-    up = jnp.einsum("td,df->tf", x, w_up)
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down).astype(jnp.float32)
+    gate = fp8_lib.project("td,df->tf", x, w_gate, fp8)
+    up = fp8_lib.project("td,df->tf", x, w_up, fp8)
+    return fp8_lib.project("tf,fd->td", jax.nn.silu(gate) * up, w_down, fp8).astype(jnp.float32)

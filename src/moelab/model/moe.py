@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import balancing
+from moelab.model import fp8 as fp8_lib
 from moelab.model import router as router_lib
 from moelab.model.dispatch import Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
@@ -100,22 +101,25 @@ def apply(
     def cast(a: jax.Array) -> jax.Array:
         return a.astype(compute_dtype)
 
+    if getattr(dispatch, "fp8", False) != cfg.fp8:
+        raise ValueError(f"model.fp8={cfg.fp8}, but the dispatch was built with fp8={getattr(dispatch, 'fp8', False)}: "
+                         "build it with make_dispatch / single_device / no_drops(cfg.moe, fp8=cfg.fp8).")
     xc = cast(x)
     if m.latent_dim is not None:
-        h = jnp.einsum("td,dl->tl", xc, cast(params["w_latent_down"]))
+        h = fp8_lib.project("td,dl->tl", xc, cast(params["w_latent_down"]), cfg.fp8)
         h = cast(rms_norm(h, params["latent_norm"], cfg.norm_eps))  # [T, Dl]
     else:
         h = xc  # [T, D]
-    experts = {name: cast(params[name]) for name in ("w_gate", "w_up", "w_down")}
+    experts = {name: cast(params[name]) for name in ("w_gate", "w_up", "w_down")}  # the backend rounds them for FP8
 
     routed, stats = dispatch(h, routing, experts)
 
     if m.latent_dim is not None:
-        routed = jnp.einsum("tl,ld->td", cast(routed), cast(params["w_latent_up"]))
+        routed = fp8_lib.project("tl,ld->td", cast(routed), cast(params["w_latent_up"]), cfg.fp8)
     y = routed.astype(jnp.float32)
 
     if m.num_shared_experts > 0:
-        y = y + swiglu(xc, *(cast(params[f"w_shared_{name}"]) for name in ("gate", "up", "down")))
+        y = y + swiglu(xc, *(cast(params[f"w_shared_{name}"]) for name in ("gate", "up", "down")), fp8=cfg.fp8)
     stats = {**stats, "entropy": router_lib.routing_entropy(jax.lax.stop_gradient(routing.scores)),
              **balancing.balancer(m).measure(routing, bias)}
     return y, stats

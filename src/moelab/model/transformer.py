@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
+from moelab.model import fp8 as fp8_lib
 from moelab.model import moe
 from moelab.model.dispatch import EXPERT_MATMUL, Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
@@ -198,16 +199,16 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
     x = x.astype(compute_dtype)
     w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
-    q = jnp.einsum("bsd,dh->bsh", x, w["w_q"])
-    k = jnp.einsum("bsd,dh->bsh", x, w["w_k"])
+    q = fp8_lib.project("bsd,dh->bsh", x, w["w_q"], cfg.fp8)
+    k = fp8_lib.project("bsd,dh->bsh", x, w["w_k"], cfg.fp8)
     q, k = qk_norm(layer, q, k, cfg)
     q, k = q.reshape(B, S, N, H), k.reshape(B, S, K, H)
-    v = jnp.einsum("bsd,dh->bsh", x, w["w_v"]).reshape(B, S, K, H)
+    v = fp8_lib.project("bsd,dh->bsh", x, w["w_v"], cfg.fp8).reshape(B, S, K, H)
     q, k = apply_rope(q, cfg.rope_theta, fraction=cfg.rope_fraction), apply_rope(k, cfg.rope_theta, fraction=cfg.rope_fraction)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
     # grouping itself, so K and V are never repeated in memory.
     o = causal_attention(q, k, v)
-    return jnp.einsum("bsh,hd->bsd", o.reshape(B, S, N * H), w["w_o"]).astype(jnp.float32)
+    return fp8_lib.project("bsh,hd->bsd", o.reshape(B, S, N * H), w["w_o"], cfg.fp8).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,9 +217,8 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
 
 def dense_mlp(layer: dict[str, jax.Array], h: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
     """A dense block's MLP: `layers.swiglu` of h [T, D] with the block's `w_mlp_*`; [T, D] float32."""
-    del cfg  # the width is in the weights' shapes
     return swiglu(h.astype(compute_dtype), *(layer[f"w_mlp_{name}"].astype(compute_dtype)
-                                             for name in ("gate", "up", "down")))
+                                             for name in ("gate", "up", "down")), fp8=cfg.fp8)
 
 
 def _block(

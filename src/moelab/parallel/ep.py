@@ -153,7 +153,8 @@ def receiver_slots(ids: jax.Array, experts_per_shard: int, capacity: int) -> jax
     return jnp.where(kept, ids * C + rank, El * C).astype(jnp.int32)
 
 
-def _run_wave(rows: jax.Array, ids: jax.Array, experts: Experts, capacity: int) -> tuple[jax.Array, jax.Array]:
+def _run_wave(rows: jax.Array, ids: jax.Array, experts: Experts, capacity: int, fp8: bool = False
+              ) -> tuple[jax.Array, jax.Array]:
     """Receiver side of one wave: received rows -> expert outputs in the same [X, P, Din] layout.
 
     Returns:
@@ -165,14 +166,14 @@ def _run_wave(rows: jax.Array, ids: jax.Array, experts: Experts, capacity: int) 
     # The received row filling each buffer slot; X P (a zero row) where none does.
     fill = jnp.full((El * capacity + 1,), X * Pl, jnp.int32).at[slot].set(jnp.arange(X * Pl, dtype=jnp.int32))[:-1]
     buf = take_rows(rows.reshape(X * Pl, Din), fill, slot).reshape(El, capacity, Din)
-    y = swiglu_buffers(buf, experts).reshape(El * capacity, Din)
+    y = swiglu_buffers(buf, experts, fp8).reshape(El * capacity, Din)
     out = take_rows(y, slot, fill)  # empty and dropped rows (slot El C) read zero
     return out.reshape(X, Pl, Din), slot.reshape(X, Pl)
 
 
 def _local_dispatch(
     h: jax.Array, expert_idx: jax.Array, weights: jax.Array, experts: Experts, *,
-    num_waves: int, pool: int, capacity: int,
+    num_waves: int, pool: int, capacity: int, fp8: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One device's part, inside `shard_map`: [T, Din] local rows -> [T, Din] combined expert outputs."""
     T, k = expert_idx.shape
@@ -185,7 +186,7 @@ def _local_dispatch(
     kept = dropped_at_receiver = jnp.zeros((), jnp.int32)
     for w in range(W):  # static: W exchange / GEMM / exchange triples XLA can overlap
         rows, wave_ids = jax.lax.all_to_all((send[w], ids[w]), "expert", 0, 0)  # [X(src), P, Din], [X, P]
-        out, slot = _run_wave(rows, wave_ids, experts, capacity)
+        out, slot = _run_wave(rows, wave_ids, experts, capacity, fp8)
         returned.append(jax.lax.all_to_all(out, "expert", 0, 0))  # [X(dest), P, Din], our pool layout
         in_buffer = slot < El * capacity
         kept += jnp.sum(in_buffer)
@@ -210,7 +211,7 @@ def _local_dispatch(
 
 def dispatch(
     h: jax.Array, routing: Routing, experts: Experts, *,
-    mesh: Mesh, capacity_factor: float, transport_capacity_factor: float, num_waves: int,
+    mesh: Mesh, capacity_factor: float, transport_capacity_factor: float, num_waves: int, fp8: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs the routed experts expert-parallel over `mesh` (axes "replica", "expert").
 
@@ -224,6 +225,8 @@ def dispatch(
         capacity_factor: receiver capacity, x the fair share of one expert in one wave (`receiver_capacity`).
         transport_capacity_factor: sender pool size, x the fair share of one shard in one wave (`pool_size`).
         num_waves: W static waves.
+        fp8: the expert GEMMs in FP8, as in `moelab.model.dispatch.dense` (per row, so a row rounds alike on
+            whichever device it lands).
 
     Returns:
         out [T, Din] sharded like h, and float32 stats: `load` [E] (before any capacity limit),
@@ -241,7 +244,7 @@ def dispatch(
 
     tokens = P(BATCH_AXES, None)
     expert_spec = P("expert", None, None)
-    local = functools.partial(_local_dispatch, num_waves=num_waves, pool=pool, capacity=capacity)
+    local = functools.partial(_local_dispatch, num_waves=num_waves, pool=pool, capacity=capacity, fp8=fp8)
     out, counts = jax.shard_map(
         local,
         mesh=mesh,
@@ -257,16 +260,17 @@ def dispatch(
     return out, stats
 
 
-def make_dispatch(cfg: MoEConfig, mesh: Mesh | None = None) -> Dispatch:
+def make_dispatch(cfg: MoEConfig, mesh: Mesh | None = None, fp8: bool = False) -> Dispatch:
     """`cfg.dispatch`'s backend with all its settings bound: `dispatch(h, routing, experts) -> (out, stats)`.
 
     The one entry point for every backend. `ep` is `dispatch` bound to `mesh` and to `cfg`'s capacity
     factor, transport capacity factor (None: the capacity factor) and `num_waves`; every other backend is
-    `moelab.model.dispatch.single_device(cfg)`, which needs no mesh.
+    `moelab.model.dispatch.single_device(cfg)`, which needs no mesh. `fp8`: `model.fp8` (`dispatch.check_fp8`).
     """
     if cfg.dispatch != "ep":
-        return dispatch_lib.single_device(cfg)
+        return dispatch_lib.single_device(cfg, fp8)
     if mesh is None:
         raise ValueError("model.moe.dispatch='ep' needs the ('replica', 'expert') mesh to run on: pass mesh=...")
-    return functools.partial(dispatch, mesh=mesh, capacity_factor=cfg.capacity_factor,
+    dispatch_lib.check_fp8(cfg, fp8)
+    return dispatch_lib.bind(dispatch, fp8, mesh=mesh, capacity_factor=cfg.capacity_factor,
                              transport_capacity_factor=cfg.transport_factor, num_waves=cfg.num_waves)

@@ -63,7 +63,7 @@ def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
     """`cfg.model.moe.dispatch`'s backend; `ep` runs on `mesh`, or on one built from `cfg.mesh` if None."""
     if mesh is None and cfg.model.moe.dispatch == "ep":
         mesh = mesh_lib.make_mesh(cfg.mesh)
-    return ep.make_dispatch(cfg.model.moe, mesh)
+    return ep.make_dispatch(cfg.model.moe, mesh, fp8=cfg.model.fp8)
 
 
 def _gather(cfg: RunConfig, mesh: Mesh | None) -> transformer.Gather | None:

@@ -310,10 +310,10 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
                               experts_split=cfg.mesh.expert)
 
     def block(p, t, m, b):
-        return transformer.apply(p, t, m, b, dtype, dispatch=single_device(m.moe))[0].sum()
+        return transformer.apply(p, t, m, b, dtype, dispatch=single_device(m.moe, m.fp8))[0].sum()
 
     saved = residuals(model, model.seq_len + 1,
-                      lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=single_device(m.moe))[0])
+                      lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=single_device(m.moe, m.fp8))[0])
     one = replace(model, num_layers=1, dense_layers=0, remat="none")
     recomputed = 0
     if model.remat != "none":
