@@ -80,8 +80,30 @@ def test_the_seed_layout_does_not_fit_and_the_plan_says_what_to_change(monkeypat
     assert code == 0, err
     plan = json.loads(out)
     assert plan["fits"] is False and plan["total"] > 300 * 2**30
-    assert any("mesh.shard=full" in tip for tip in plan["advice"])
-    assert any("remat" in tip for tip in plan["advice"])
+    tips = {tip["set"]: tip for tip in plan["advice"]}
+    assert "mesh.shard=full" in tips and "model.remat=full" in tips
+    # each tip re-planned alone: its total is what that one setting gives, below the plan's, lowest first
+    assert all(tip["total"] < plan["total"] and tip["fits"] == (tip["total"] <= 186e9) for tip in plan["advice"])
+    assert [tip["total"] for tip in plan["advice"]] == sorted(tip["total"] for tip in plan["advice"])
+
+
+def test_on_one_device_the_plan_advises_only_what_changes_the_total_as_train_takes_it(monkeypatch, capsys):
+    """Issue 54: `--hbm 80` (no unit) is refused naming the flag; on one device the layouts change nothing, so they
+    are not advised; every tip pastes into `moelab train --set`, says what it alone gives and whether that fits;
+    one unit (GB) throughout."""
+    code, out, err = run_cli(["plan", "--preset", "gpu-medium", "--hbm", "80"], monkeypatch, capsys)
+    assert code == 2 and "--hbm='80' has no unit: write 80GB" in " ".join(err.split())
+    code, out, err = run_cli(["plan", "--preset", "gpu-medium", "--hbm", "80GB", "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["fits"] is False and plan["advice"]
+    assert not any(tip["set"].startswith("mesh.shard") for tip in plan["advice"])
+    from moelab.config import override
+    for tip in plan["advice"]:
+        key, value = tip["set"].split("=")
+        override(presets.get("gpu-medium"), {key: value})  # as `--set` reads it: the config takes it
+    code, out, err = run_cli(["plan", "--preset", "gpu-medium", "--hbm", "80GB"], monkeypatch, capsys)
+    assert "GiB" not in out and "--set model.remat=full  ->" in out and ("fits" in out or "still over" in out)
 
 
 @pytest.mark.parametrize("args, field", [

@@ -21,7 +21,7 @@ from moelab.errors import ConfigError
 
 __all__ = ["plan"]
 
-GiB = 2**30
+GB = 1e9  # one unit everywhere: --hbm sizes are read in GB as device sheets give them
 
 
 def plan(
@@ -96,13 +96,13 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
     out_console.print(f"[bold]{result.name}[/bold] on replica={mesh['replica']} x expert={mesh['expert']}, "
                       f"shard={mesh['shard']}: {result.microbatches} microbatch(es) of {result.rows_per_microbatch} "
                       f"sequence(s) a device, attention as on {result.platform}")
-    table = Table("per device", "GiB", "share")
+    table = Table("per device", "GB", "share")
     for term, size in result.terms.items():
         if size:
-            table.add_row(term, f"{size / GiB:,.2f}", f"{size / result.total:.0%}")
-    table.add_row("total", f"{result.total / GiB:,.2f}", f"{result.total / 1e9:,.1f} GB", style="bold")
+            table.add_row(term, f"{size / GB:,.2f}", f"{size / result.total:.0%}")
+    table.add_row("total", f"{result.total / GB:,.2f}", "100%", style="bold")
     if compiled:
-        table.add_row("XLA (compiled)", f"{compiled['total'] / GiB:,.2f}",
+        table.add_row("XLA (compiled)", f"{compiled['total'] / GB:,.2f}",
                       f"{result.total / compiled['total'] - 1:+.1%} plan vs XLA", style="dim")
     out_console.print(table)
     if result.hbm is not None:
@@ -118,8 +118,7 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
                 "of HBM - the state)), so it rematerializes on "
                 "its own, silently, at a cost in step time. Raise XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9) or take "
                 "a tip below.")
-        for tip in result.advice:
-            out_console.print(f"  to reduce it: {tip}")
+    _print_advice(result)
     comm = Table("per step, per device", "GB sent", "seconds", title="communication (the collectives XLA emits)")
     for kind, size in result.comm.items():
         if size:
@@ -143,6 +142,21 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
         f"{timing['step_seconds']:,.2f} s without overlap, {timing['step_seconds_overlapped']:,.2f} s with full overlap. "
         f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{_duration(timing['days'])}[/bold] "
         f"({_duration(timing['days_overlapped'])} with full overlap).")
+
+
+def _print_advice(result) -> None:
+    """Each setting that lowers the total on this mesh, as `moelab train` takes it, and what it alone gives."""
+    if result.hbm is not None and result.total <= 0.9 * result.hbm:
+        return
+    if not result.advice:
+        if result.hbm is not None and not result.fits:
+            out_console.print("  no single setting makes it fit on this mesh: more devices (mesh.expert, "
+                              "mesh.replica), devices with more memory, or a smaller batch.")
+        return
+    out_console.print("  settings that lower it on this mesh (each alone; add them to `moelab train` as is):")
+    for tip in result.advice:
+        verdict = "" if tip["fits"] is None else ", fits" if tip["fits"] else f", still over {result.hbm / GB:,.1f} GB"
+        out_console.print(f"    --set {tip['set']}  -> {tip['total'] / GB:,.1f} GB{verdict} ({tip['why']})")
 
 
 def _duration(days: float) -> str:

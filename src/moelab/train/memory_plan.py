@@ -1,7 +1,7 @@
 """How much memory one device needs for a config's train step, and what it moves per step (`moelab plan`).
 
     plan = memory_plan.plan(presets.get("frontier-535b"), hbm=186e9)
-    plan.total, plan.fits, plan.largest, plan.advice
+    plan.total, plan.fits, plan.largest, plan.advice    # advice: one-setting changes, re-planned
 
 Counted before launch, nothing allocated. The state terms are exact: every leaf of `init_state`'s
 abstract tree, divided by the devices `parallel.mesh.leaf_spec` splits it over. The activations are
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moelab.config import RunConfig, from_dict, to_dict
+from moelab.config import RunConfig, from_dict, override, to_dict
 from moelab.errors import ConfigError
 from moelab.model import grouped_matmul, transformer
 from moelab.model.dispatch import single_device
@@ -91,6 +91,8 @@ class Plan:
     links: Links = field(default_factory=Links)
     phase: str = ""  # the phase of the step that peaks; `terms` are its terms
     phases: dict[str, int] = field(default_factory=dict)  # each phase's per-device total
+    # What to change when it does not fit (`advise`): {"set": "KEY=VALUE", "total": bytes, "fits": bool | None}
+    advice: tuple[dict[str, Any], ...] = ()
 
     @property
     def fits(self) -> bool | None:
@@ -118,50 +120,36 @@ class Plan:
     def largest(self) -> str:
         return max(self.terms, key=self.terms.get)
 
-    @property
-    def advice(self) -> list[str]:
-        """What to change, largest lever first; empty when it fits with room to spare."""
-        if self.hbm is not None and self.total <= 0.9 * self.hbm:
-            return []
-        tips, t, shard = [], self.terms, self.mesh["shard"]
-        if shard != "full" and t["params"] + t["grads"] > 0.2 * self.total:
-            tips.append("--set mesh.shard=full: split the non-expert parameters and gradients across the rack")
-        elif shard == "replicate":
-            tips.append("--set mesh.shard=optimizer: split the Adam moments across the mesh (ZeRO-1)")
-        per_row = t["activations"] + t["logits_grad"] + t["block_work"]
-        if per_row > 0.2 * self.total and self.rows_per_microbatch > 1:
-            tips.append(f"--set train.microbatches={self.microbatches * 2}: half the sequences a device runs at once")
-        if t["activations"] > 0.2 * self.total:
-            tips.append("--set model.remat=full: keep each block's input only, recompute the rest")
-        if t["moments"] > 0.2 * self.total:
-            tips.append("--set train.moment_dtype=bfloat16: store Adam's moments in bfloat16")
-        if t["grad_sum"] > 0.2 * self.total:
-            tips.append("a larger mesh.expert: the experts' gradients (and their sum) split over more devices")
-        return tips or ["a larger mesh.expert, or devices with more memory"]
-
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "mesh": self.mesh, "microbatches": self.microbatches,
                 "rows_per_microbatch": self.rows_per_microbatch, "platform": self.platform, "terms": self.terms,
                 "total": self.total, "phase": self.phase, "phases": self.phases, "hbm": self.hbm, "fits": self.fits,
                 "compiler_limit": self.compiler_limit(), "compiler_recomputes": self.compiler_recomputes, "largest": self.largest,
-                "advice": self.advice, "comm_bytes": self.comm, "comm_seconds": self.comm_seconds,
+                "advice": list(self.advice), "comm_bytes": self.comm, "comm_seconds": self.comm_seconds,
                 "links": {"nvlink": self.links.nvlink, "network": self.links.network}}
 
 
 def parse_bytes(text: str, name: str) -> int:
-    """'186GB', '141 GiB', '8e10' -> bytes; a ConfigError naming `name` otherwise."""
-    units = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+    """'186GB', '141 GiB', '8e10B' -> bytes; a ConfigError naming `name` otherwise. A bare number is refused: `--hbm
+    80` meant 80 GB, and read as 80 bytes it made every plan "not fit"."""
+    units = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
              "TIB": 2**40}
     raw = text.strip().upper().replace(" ", "")
     number = raw.rstrip("KMGTIB")
     unit = raw[len(number):]
     try:
-        value = float(number) * units[unit]
-    except (ValueError, KeyError):
+        value = float(number)
+    except ValueError:
         value = -1.0
     if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name}={text!r} is invalid: give a positive size such as 186GB, 141GiB or 8e10 (bytes).")
-    return int(value)
+        raise ConfigError(f"{name}={text!r} is invalid: give a positive size such as 186GB, 141GiB or 8e10B (bytes).")
+    if unit == "":
+        raise ConfigError(f"{name}={text!r} has no unit: write {text.strip()}GB (or {text.strip()}GiB, or B for bytes).")
+    if unit not in units:
+        hint = f" ({unit}B?)" if unit + "B" in units else ""
+        raise ConfigError(f"{name}={text!r} is invalid: the unit {unit!r}{hint} is not one of B, KB, MB, GB, TB, KiB, "
+                          "MiB, GiB, TiB; give a positive size such as 186GB or 141GiB.")
+    return int(value * units[unit])
 
 
 def _nbytes(leaf: Any) -> int:
@@ -419,7 +407,41 @@ def communication(cfg: RunConfig, split: LayerSplit | None = None, platform: str
     return {key: int(value) for key, value in out.items()}
 
 
-def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: Links = Links()) -> Plan:
+# One-setting changes `advise` tries, largest lever first: (field, value, what it does).
+_LEVERS = (
+    ("mesh.shard", "full", "split the non-expert parameters, gradients and moments across the rack"),
+    ("mesh.shard", "optimizer", "split the Adam moments across the mesh (ZeRO-1)"),
+    ("train.microbatches", None, "half the sequences a device runs at once"),
+    ("model.remat", "full", "keep each block's input only, recompute the rest"),
+    ("model.remat", "dots", "keep the matmul outputs, recompute the rest"),
+    ("train.moment_dtype", "bfloat16", "store Adam's moments in bfloat16"),
+)
+
+
+def advise(cfg: RunConfig, current: Plan, platform: str = "gpu", links: Links = Links()) -> tuple[dict[str, Any], ...]:
+    """Each one-setting change that lowers `current`'s total on the same mesh, re-planned: {"set": "KEY=VALUE" (as
+    `moelab train --set` takes it), "why", "total", "fits" (alone, against `current.hbm`)}, the lowest total first.
+    A setting that changes nothing here (a layout on one device) or that the config refuses is left out."""
+    tips = []
+    for key, value, why in _LEVERS:
+        if key == "train.microbatches":
+            value = cfg.train.microbatches * 2
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == value:
+            continue
+        try:
+            changed = override(cfg, {key: value})
+            total = plan(changed, current.hbm, platform, links, advise_too=False).total
+        except ConfigError:
+            continue
+        if total < 0.99 * current.total:
+            tips.append({"set": f"{key}={value}", "why": why, "total": total,
+                         "fits": None if current.hbm is None else total <= current.hbm})
+    return tuple(sorted(tips, key=lambda tip: tip["total"]))
+
+
+def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: Links = Links(),
+         advise_too: bool = True) -> Plan:
     """The per-device memory of `cfg`'s train step on `cfg.mesh` and its communication per step.
 
     The state (parameters, moments) is live throughout; on top of it, the step's peak is the largest of
@@ -453,10 +475,13 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     terms = {**always, **{key: phases[peak].get(key, 0) for key in keys}}
     comm = communication(cfg, split, platform)
     seconds = {k: v / (links.network if k.endswith("across_racks") else links.nvlink) for k, v in comm.items()}
-    return Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
-                rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
-                comm=comm, comm_seconds=seconds, links=links, phase=peak,
-                phases={name: int(sum(always.values()) + sum(t.values())) for name, t in phases.items()})
+    result = Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
+                  rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
+                  comm=comm, comm_seconds=seconds, links=links, phase=peak,
+                  phases={name: int(sum(always.values()) + sum(t.values())) for name, t in phases.items()})
+    if advise_too and (hbm is None or result.total > 0.9 * hbm):  # tight or over: what would help
+        result = replace(result, advice=advise(cfg, result, platform, links))
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
