@@ -148,3 +148,13 @@ def test_plan_fix_out_that_is_a_folder_or_under_a_file_exits_2_and_leaves_nothin
         code, stdout, err = run_cli(["ladder", "plan", recipe, "--fix", "--out", str(out)], monkeypatch, capsys)
         assert code == 2 and message in " ".join(err.split()) and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no .tmp left behind
+
+
+def test_the_depth_warning_pairs_each_rung_with_its_own_depth_in_size_order():
+    """Issue 54: the warning sorted names as strings and depths by size, so `ladder-d1024-l12` read as 8 deep."""
+    from moelab import presets
+
+    rungs = [presets.get(f"ladder-d{d}") for d in (768, 1024, 1536, 2048)]
+    [warning] = mixed_depth(rungs, presets.get("frontier-535b"))
+    assert warning.startswith("ladder-d768-l8 (8), ladder-d1024-l12 (12), ladder-d1536-l16 (16), ladder-d2048-l22 (22) "
+                              "are not 48 layers deep")

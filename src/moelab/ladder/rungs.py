@@ -296,13 +296,16 @@ def regrouped_heads(rungs: list[RunConfig], target: RunConfig) -> list[str]:
 
 def mixed_depth(rungs: list[RunConfig], target: RunConfig) -> list[str]:
     """A warning when some rung's depth is not the target's: the size trend then mixes depth into width."""
-    other = sorted({c.model.num_layers for c in rungs} - {target.model.num_layers})
-    if not other:
+    depth = {}  # each rung shape (seeds share one) in the recipe's order, smallest first: its depth
+    for c in rungs:
+        if c.model.num_layers != target.model.num_layers:
+            depth.setdefault(c.name.split("-seed")[0], c.model.num_layers)
+    if not depth:
         return []
-    names = sorted({c.name.split("-seed")[0] for c in rungs if c.model.num_layers != target.model.num_layers})
-    return [f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {'/'.join(map(str, other))} layers deep, the "
-            f"target {target.model.num_layers}: the law reads the size trend as one of width, so a depth change inside "
-            "it bends the extrapolation. Give every rung the target's depth."]
+    listed = ", ".join(f"{name} ({layers})" for name, layers in depth.items())
+    return [f"{listed} {'is' if len(depth) == 1 else 'are'} not {target.model.num_layers} layers deep as the target "
+            "is: the law reads the size trend as one of width, so a depth change inside it bends the extrapolation. "
+            "Give every rung the target's depth."]
 
 
 def too_few_sizes(rungs: list[RunConfig]) -> list[str]:
