@@ -156,5 +156,5 @@ def test_the_depth_warning_pairs_each_rung_with_its_own_depth_in_size_order():
 
     rungs = [presets.get(f"ladder-d{d}") for d in (768, 1024, 1536, 2048)]
     [warning] = mixed_depth(rungs, presets.get("frontier-535b"))
-    assert warning.startswith("ladder-d768-l8 (8), ladder-d1024-l12 (12), ladder-d1536-l16 (16), ladder-d2048-l22 (22) "
+    assert warning.startswith("ladder-d768 (8), ladder-d1024 (12), ladder-d1536 (16), ladder-d2048 (22) "
                               "are not 48 layers deep")
