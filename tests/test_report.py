@@ -475,3 +475,31 @@ def test_a_ray_worker_lost_and_retried_is_named_under_reproducibility(lab, tmp_p
                            monkeypatch, capsys)
     assert code == 0 and "the step retried</td><td>never" in section((tmp_path / "r0" / "report.html").read_text(),
                                                                       "reproducibility").replace("\n", "")
+
+
+def test_the_verdict_carries_the_predictions_trust_everywhere_it_is_shown(lab, tmp_path, monkeypatch, capsys):
+    """Issue 54: beside the verdict, the ladder prediction behind the run (its final value, 95% band and
+    self-check): in the report's first section, `lab show`, the site's index and experiment page. An
+    uninformative self-check says "not trusted" in each."""
+    ledger, _, root = lab
+    run_dir = next((root / "rep-tiny").glob("train-*"))
+    sidecar = {"targets": [{"run": "rep-tiny", "loss_pred": 4.1234, "lo95": 3.5, "hi95": 4.75}],
+               "self_check": {"held_out": ["ladder-d80-l3"], "final_error": -0.02, "mape_after_10pct": 0.03,
+                              "band95_half_width": 0.19, "verdict": "uninformative", "trusted": False}}
+    extra = {"prediction.csv": pred_csv((5, 5.0, 4.5, 5.5, 4.0, 6.0), (10, 4.0, 3.8, 4.2, 3.7, 4.3)),
+             "prediction.json": json.dumps(sidecar)}
+    words = "Ladder prediction 4.123 (95% band 3.500-4.750); self-check UNINFORMATIVE: not trusted"
+    with run_files(run_dir, extra, tmp_path / "aside"):
+        code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
+                               monkeypatch, capsys)
+        assert code == 0, err
+        assert words in section((tmp_path / "r" / "report.html").read_text(), "hypothesis")
+        code, out, err = run_cli(["lab", "show", "rep-tiny", "--ledger", str(ledger)], monkeypatch, capsys)
+        assert code == 0 and "Verdict: " in out and words in " ".join(out.split()), err
+        code, _, err = run_cli(["lab", "site", "--ledger", str(ledger), "--root", str(root), "--out",
+                                str(tmp_path / "site")], monkeypatch, capsys)
+        assert code == 0, err
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert 'prediction: <span class="badge uninformative">uninformative</span>' in index
+    page = next((tmp_path / "site" / "exp").glob("*.html")).read_text()
+    assert words in page

@@ -42,5 +42,9 @@ def demo(
     result = run_demo(ledger, exp_id, root, spec, progress=training_progress)
     err_console.print(f"Lab site: {result.site} (every experiment on {ledger.path}; reload it while a run goes)")
     show_outcomes(exp_id, result.outcomes)  # exit 1 (or 75) unless every step succeeded
-    out_console.print(f"Hypothesis verdict: [bold]{result.verdict.upper()}[/] ({result.metric} = {result.value})")
+    from moelab.ladder.contract import trust_text
+
+    value = "no value" if result.value is None else f"{result.value:.4f}"
+    out_console.print(f"Hypothesis verdict: [bold]{result.verdict.upper()}[/] ({result.metric} = {value})")
+    out_console.print(trust_text(result.trust), highlight=False)
     out_console.print(f"Report: {result.report}")

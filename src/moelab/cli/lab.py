@@ -41,6 +41,7 @@ from moelab.cli.bundle import export, reproduce, verify_bundle_command
 from moelab.cli.common import (DEFAULT_LEDGER, EXIT_PREEMPTED, JsonOpt, LedgerOpt, err_console, out_console,
                                print_problem)
 from moelab.cli.train import training_progress
+from moelab.errors import ConfigError
 from moelab.lab import registry
 from moelab.lab.dag import FAILED, PREEMPTED, SUCCESS, check_backend
 from moelab.lab.experiment import plan_experiment, run_experiment
@@ -150,8 +151,25 @@ def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOp
         print(registry.to_markdown(experiment, with_runs=True) + f"\n### Ledger\n\n{_ledger_sentence(ledger, check)}")
     else:
         out_console.print(Markdown(registry.to_markdown(experiment, with_runs=True)))
+        trust = _verdict_and_trust(experiment)
+        if trust:
+            out_console.print(trust, highlight=False)
         # Plain and unwrapped: the hash must survive a narrow terminal and a copy-paste whole.
         out_console.print(f"\n{_ledger_sentence(ledger, check)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _verdict_and_trust(experiment) -> str | None:
+    """Once the main run finished: its verdict with the ladder prediction's trust beside it (issue 54), one line."""
+    from moelab.ladder.contract import trust_text  # scipy, through the ladder: only when showing a finished run
+    from moelab.lab.view import experiment_verdict
+
+    try:
+        verdict, value, trust = experiment_verdict(experiment)
+    except ConfigError:  # not run yet, or its directory is gone: the record above says which
+        return None
+    observed = "no value" if value is None else f"{value:.4f}"
+    return (f"Verdict: {verdict.upper()} ({experiment.spec.prediction.metric} = {observed}). "
+            + trust_text(trust))
 
 
 def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) -> None:

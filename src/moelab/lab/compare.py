@@ -61,10 +61,11 @@ def outcome(ledger: Ledger, experiment: Experiment) -> dict[str, Any]:
     last_event = {str(r.body.get("step")): r.body.get("event") for r in runs}
     commits = sorted({str(r.body.get("git_commit"))[:12] for r in runs if r.body.get("git_commit")})
     try:
-        result, value = experiment_verdict(experiment)
+        result, value, trust = experiment_verdict(experiment)
     except ConfigError:  # no finished run (yet), or its directory is gone
-        result, value = _NOT_RUN, None
-    return {"verdict": result, experiment.spec.prediction.metric: value, "amendments": len(experiment.amendments),
+        result, value, trust = _NOT_RUN, None, None
+    return {"verdict": result, experiment.spec.prediction.metric: value,
+            "self_check": trust["self_check"] if trust else None, "amendments": len(experiment.amendments),
             "steps": last_event or _NOT_RUN, "git_commits": commits or None}
 
 

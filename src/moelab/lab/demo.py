@@ -30,6 +30,7 @@ class DemoResult:
     verdict: str | None = None  # the prediction's verdict: report.CONFIRMED, REFUTED or INCONCLUSIVE
     metric: str | None = None  # the predicted metric, e.g. eval/mean
     value: float | None = None  # its observed value
+    trust: dict | None = None  # the ladder prediction behind it (`ladder.contract.trust`); None without one
 
 
 def open_demo(spec_path: str | Path, root: str | Path) -> tuple[Ledger, str, bool]:
@@ -62,6 +63,6 @@ def run_demo(ledger: Ledger, exp_id: str, root: str | Path, spec_path: str | Pat
         return DemoResult(outcomes, site / INDEX)
     report = write_report(ledger, exp_id)
     experiment = load_experiment(ledger, exp_id)
-    verdict, value = experiment_verdict(experiment)
+    verdict, value, trust = experiment_verdict(experiment)
     metric = experiment.spec.prediction.metric
-    return DemoResult(outcomes, site / INDEX, report, verdict, metric, value)
+    return DemoResult(outcomes, site / INDEX, report, verdict, metric, value, trust)

@@ -361,7 +361,9 @@ def verdict(prediction: Prediction, value: float | None) -> str:
 
 
 def band_text(band: tuple | None) -> str:
-    """A prediction's band as the report and the site print it: "[-inf, 2.5]", "none" without one."""
+    """A prediction's pre-registered threshold (the spec's `prediction.band`) as the report and the site print it:
+    "[-inf, 2.5]", "none" without one. Pages call it the threshold, so it is never confused with the ladder's 95%
+    band around a predicted curve."""
     if band is None:
         return "none"
     low, high = band
@@ -461,7 +463,7 @@ def to_markdown(experiment: Experiment, with_runs: bool = False) -> str:
         "### Question", "", spec.question.strip(), "",
         "### Hypothesis", "", spec.hypothesis.strip(), "",
         "### Prediction", "",
-        "| metric | expected | band | decision rule |",
+        "| metric | expected | threshold (pre-registered) | decision rule |",
         "|---|---|---|---|",
         f"| `{p.metric}` | {expected} | {_band(p.band)} | {' '.join(p.decision_rule.split())} |",
         "",

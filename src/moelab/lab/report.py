@@ -36,7 +36,7 @@ from moelab.lab.ledger import Ledger, verify
 from moelab.lab.plots import forecast_plot, line_plot, mixture_plot, router_load_heatmap
 from moelab.lab.registry import REPRODUCTION, Experiment, band_text, load_experiment, verdict
 from moelab.lab.view import RunFiles, drops_by_phase, find_run_dir, read_run, router_settings, series
-from moelab.ladder.contract import self_check
+from moelab.ladder.contract import self_check, trust, trust_text
 from moelab.train.outputs import CONFIG, MIXTURE_LOG, ROUTER_LOAD, SAMPLES
 
 __all__ = ["SECTION_IDS", "STATED", "REPORT_FORMAT", "REPORT_VERSION", "REPORT_JSON", "Section", "stated_tables",
@@ -101,15 +101,17 @@ def _hypothesis(experiment: Experiment, run: RunFiles) -> Section:
     outcome = verdict(p, value)
     sec.p(f"Question: {' '.join(spec.question.split())}")
     sec.p(f"Hypothesis: {' '.join(spec.hypothesis.split())}")
-    sec.table(["metric", "expected", "band", "observed", "at step", "verdict"],
+    sec.table(["metric", "expected", "threshold (pre-registered)", "observed", "at step", "verdict"],
               [[p.metric, p.expected, band_text(p.band), value, step, outcome.upper()]])
     sec.p(f"Decision rule: {' '.join(p.decision_rule.split())}")
+    sec.p(trust_text(trust(run.prediction) if run.prediction is not None else None))
     if p.band is None:
-        sec.note("The prediction has no band, only an expected value, so the verdict cannot be decided "
+        sec.note("The prediction has no threshold, only an expected value, so the verdict cannot be decided "
                  "automatically; read the decision rule against the observed value.")
     if value is None:
         sec.note(f"The run logged no {p.metric}; the verdict is inconclusive.")
-    sec.note("The verdict checks the band only; any further condition in the decision rule is for the reader.")
+    sec.note("The verdict checks the pre-registered threshold only; any further condition in the decision rule is for "
+             "the reader. The ladder's 95% band, below, is another thing: where the predicted curve should run.")
     return sec
 
 

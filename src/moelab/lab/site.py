@@ -46,6 +46,7 @@ from moelab.lab.plots import svg_curves
 from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
                                  TRAIN_STEP, band_text, load_experiment)
 from moelab.lab.view import ExperimentView, RunView, drops_by_phase, experiment_view, router_settings, series
+from moelab.ladder import contract
 
 __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "build_site", "publish_site", "Built", "counted"]
 
@@ -64,7 +65,7 @@ h1{font-size:1.5rem}h2{font-size:1.2rem;margin-top:1.6rem;border-bottom:1px soli
 text-align:left;vertical-align:top}pre{white-space:pre-wrap;word-break:break-word;background:#f6f6f6;padding:.5rem;
 font-size:.85rem}code{word-break:break-all}svg.plot{width:100%;height:auto;max-width:640px;font-size:11px}
 svg .t{font-weight:bold}.badge{padding:0 .35rem;border-radius:.3rem;color:#fff;background:#666;white-space:nowrap}
-.confirmed,.finished{background:#2b8a3e}.refuted,.failed{background:#b02a2a}.inconclusive,.abandoned{background:#8a6d00}
+.confirmed,.finished,.passed{background:#2b8a3e}.refuted,.failed{background:#b02a2a}.inconclusive,.abandoned,.uninformative,.skipped{background:#8a6d00}
 .running{background:#1f5fa8}.registered{background:#666}.note,.legend{color:#555}.legend{font-size:.85rem;margin-top:0}
 nav a{margin-right:1rem}
 @media (max-width:40rem){table.cards tr:first-child{display:none}table.cards,table.cards tr,table.cards td{display:block}
@@ -112,6 +113,14 @@ def _predicted(view: ExperimentView) -> str:
     return f"{_e(p.metric)} {expected}in {band_text(p.band)}"
 
 
+def _trust(view: ExperimentView) -> str:
+    """The ladder prediction's self-check beside the verdict once it stands (`contract.trust`): a badge, and
+    nothing for an experiment without a ladder or not yet finished."""
+    if view.trust is None or view.status != FINISHED:
+        return ""
+    return f'<br>prediction: {_badge(view.trust["self_check"])}'
+
+
 def _outcome(view: ExperimentView) -> str:
     """The observed value once the main run finished; "-" before (the page has the live curve), so the index does
     not change with every eval."""
@@ -146,9 +155,11 @@ def _experiment_page(view: ExperimentView, bundle: str | None, bundle_note: str)
              f"owner {_e(spec.owner)}, registered {_e(reg.created_at)} (ledger record {reg.seq})</p>",
              f"<h2 id=\"question\">Question</h2><p>{_e(spec.question)}</p>",
              f"<h2 id=\"hypothesis\">Hypothesis and prediction</h2><p>{_e(spec.hypothesis)}</p>",
-             _table(["metric", "expected", "band", "decision rule", "observed", "verdict"],
+             _table(["metric", "expected", "threshold (pre-registered)", "decision rule", "observed", "verdict"],
                     [[_e(p.metric), _e("-" if p.expected is None else f"{p.expected:g}"), _e(band_text(p.band)),
                       _e(p.decision_rule), _outcome(view), _badge(view.verdict) or _e(view.status)]])]
+    if view.status == FINISHED and view.trust is not None:
+        parts.append(f'<p id="trust">{_e(contract.trust_text(view.trust))}</p>')
     registered = yaml.safe_dump(reg.body["spec"], sort_keys=False)
     parts.append(f"<h2 id=\"spec\">Spec as registered</h2><p>content hash <code>{_e(reg.body.get('spec_hash'))}</code>,"
                  f" git commit <code>{_e(reg.body.get('git_commit'))}</code></p><pre>{_e(registered)}</pre>")
@@ -250,7 +261,7 @@ def _page_name(exp_id: str) -> str:
 def _index_page(views: list[ExperimentView], head: Record) -> str:
     rows = [[f'<a href="{_e(_page_name(v.experiment.id))}">{_e(v.experiment.id)}</a><br>{_e(v.experiment.spec.title)}',
              _e(v.experiment.spec.question), _badge(v.status), _predicted(v), _outcome(v),
-             _badge(v.verdict) or "-", str(len(v.experiment.amendments)),
+             (_badge(v.verdict) or "-") + _trust(v), str(len(v.experiment.amendments)),
              f"{_e(v.last_event.created_at)}<br>{_e(_event_words(v.last_event))}"] for v in views]
     counts = {s: sum(v.status == s for v in views) for s in (REGISTERED, RUNNING, FINISHED, FAILED, ABANDONED)}
     verdicts = {s: sum(v.verdict == s for v in views) for s in (CONFIRMED, REFUTED, INCONCLUSIVE)}

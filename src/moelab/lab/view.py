@@ -212,11 +212,13 @@ def read_run(out: Path, record: dict) -> RunFiles:
                     step, load, _incidents(out, metrics), read_jsonl(out / SAMPLES), read_moe_config(out))
 
 
-def experiment_verdict(experiment: Experiment) -> tuple[str, float | None]:
-    """(verdict, observed value) of a run experiment's prediction: what the report's first section states."""
+def experiment_verdict(experiment: Experiment) -> tuple[str, float | None, dict | None]:
+    """(verdict, observed value, the ladder prediction's trust or None) of a run experiment: what the report's
+    first section states (`contract.trust`: the predicted value, its band and the self-check's verdict)."""
     out, _ = find_run_dir(experiment)
     value, _ = final_value(read_jsonl(out / METRICS), read_summary(out), experiment.spec.prediction.metric)
-    return verdict(experiment.spec.prediction, value), value
+    prediction = find_prediction(out)
+    return verdict(experiment.spec.prediction, value), value, contract.trust(prediction) if prediction else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,6 +244,7 @@ class ExperimentView:
     status: str
     verdict: str | None  # confirmed / refuted / inconclusive once the main run finished; None before
     observed: float | None
+    trust: dict | None  # the ladder prediction behind the main run (`contract.trust`); None without one
     runs: list[RunView]
     steps: dict[str, list[Record]]  # step -> its run events, in order
     head: Record  # the newest record of this experiment: what its page reflects
@@ -275,7 +278,7 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
     for record in experiment.runs:
         steps.setdefault(str(record.body.get("step", record.body.get("event"))), []).append(record)
     status, main = experiment_status(experiment), _main_run_name(experiment)
-    found, observed = None, None
+    found, observed, trust = None, None, None
     if main in runs:
         values = series(runs[main].metrics, experiment.spec.prediction.metric)[1]
         observed = values[-1] if values else None
@@ -284,8 +287,9 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
         prediction = find_prediction(where) if where is not None else None
         if prediction is not None:
             runs[main].band, runs[main].band_problem = read_band(prediction)
+            trust = contract.trust(prediction)
         runs[main].moe = read_moe_config(where) if where is not None else None
     if status == FINISHED:
         found = verdict(experiment.spec.prediction, observed)
     ordered = sorted(runs.values(), key=lambda r: (r.name == main, r.name))  # the main run last, as it ran
-    return ExperimentView(experiment, status, found, observed, ordered, steps, head, last_event, main)
+    return ExperimentView(experiment, status, found, observed, trust, ordered, steps, head, last_event, main)

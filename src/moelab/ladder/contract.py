@@ -47,6 +47,8 @@ __all__ = [
     "read_band",
     "read_sidecar",
     "self_check",
+    "trust",
+    "trust_text",
     "keep_copy",
     "read_curves",
     "read_target",
@@ -223,6 +225,35 @@ def self_check(pred_path: str | Path) -> dict | None:
         return None
     check = (summary or {}).get("self_check")
     return check if isinstance(check, dict) else None
+
+
+def trust(pred_path: str | Path) -> dict | None:
+    """What a verdict should carry about the prediction behind it: the predicted final value of the (first) target,
+    its 95% band, and the self-check's verdict ("passed", "failed", "uninformative" or "skipped"; `trusted` only
+    when passed). None when the sidecar is missing or unreadable."""
+    try:
+        summary = read_sidecar(pred_path)
+    except DataError:
+        return None
+    targets = (summary or {}).get("targets") or []
+    if not targets or not isinstance(targets[0], dict):
+        return None
+    final, check = targets[0], (summary.get("self_check") or {})
+    status = "skipped" if "skipped" in check else check.get("verdict") or ("passed" if check.get("trusted") else "failed")
+    return {"predicted": final.get("loss_pred"), "lo95": final.get("lo95"), "hi95": final.get("hi95"),
+            "self_check": status, "trusted": status == "passed"}
+
+
+def trust_text(t: dict | None) -> str:
+    """`trust` as one sentence for a terminal, a page or a report."""
+    if t is None:
+        return "No ladder prediction stands behind this run."
+    status = t["self_check"]
+    meaning = {"passed": "trusted", "failed": "not trusted: the law missed its own largest rung",
+               "uninformative": "not trusted: the check's band is too wide to tell a good recipe from a bad one",
+               "skipped": "unchecked: too few rung sizes to hold one out"}.get(status, "not trusted")
+    return (f"Ladder prediction {t['predicted']:.3f} (95% band {t['lo95']:.3f}-{t['hi95']:.3f}); self-check "
+            f"{status.upper()}: {meaning}.")
 
 
 def keep_copy(pred_path: str | Path, run_dir: str | Path) -> Path:
