@@ -160,7 +160,7 @@ def bench_size(work: Path, total_bytes: float) -> dict:
                          capture_output=True, text=True, check=True).stdout
     startup = json.loads(out)  # the data path alone: its peak RSS is what the corpus size could grow
     train_out = work / f"run-{tag}"
-    out, wall, rss = _run(["train", "--preset", "tiny", "--data", str(data_yaml),
+    out, wall, rss = _run(["train", "--json", "--preset", "tiny", "--data", str(data_yaml),
                            "--set", f"data.store={work / f'store-{tag}'}", "--steps", "30", "--set",
                            "train.eval_every=30", "--out", str(train_out)])
     summary = json.loads(out.strip().splitlines()[-1])

@@ -29,7 +29,7 @@ TIMING_KEYS = {"tokens_per_s"}
 
 
 def _command(out: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "moelab.cli", "train", "--preset", "tiny", "--steps", str(steps), "--out", str(out),
+    return [sys.executable, "-m", "moelab.cli", "train", "--json", "--preset", "tiny", "--steps", str(steps), "--out", str(out),
             "--checkpoint-every", "4", "--set", "train.log_every=2", "--set", "train.eval_every=8",
             "--set", "train.eval_batches=1"]
 

@@ -59,11 +59,11 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_two_reruns_finish_the_ru
     shutil.copytree(finished_run, out)
     CORRUPTIONS[damage](out / "checkpoints" / "8")
 
-    code, stdout, stderr = run_cli(train_args(out, steps=8), monkeypatch, capsys)
+    code, stdout, stderr = run_cli([*train_args(out, steps=8), "--json"], monkeypatch, capsys)
     assert code == 0, stderr
     aside = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("8.corrupt-")]
     assert len(aside) == 1 and aside[0] in stderr and "Resuming from step 4" in stderr
-    assert json.loads(stdout)["resumed_from"] == 4
+    assert json.loads(stdout)["resumed_from"] == 4  # --json: the summary object, as before issue 54
     assert_same_run(finished_run, out, 8)
 
     summary = (out / "summary.json").read_bytes()

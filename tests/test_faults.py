@@ -77,7 +77,9 @@ def _rerun_and_compare(reference, out, monkeypatch, capsys) -> str:
     """Rerun the interrupted run to its end; it must equal `reference`. Returns the rerun's stderr."""
     code, stdout, stderr = run_cli(train_args(out, STEPS), monkeypatch, capsys)
     assert code == 0, stderr
-    assert json.loads(stdout)["step"] == STEPS
+    # one line for a person (issue 54); the JSON is summary.json's (and `--json`'s)
+    assert stdout.startswith(f"Trained to step {STEPS}: loss ") and len(stdout.strip().splitlines()) == 1
+    assert json.loads((out / "summary.json").read_text())["step"] == STEPS
     assert_same_run(reference, out, STEPS)
     return stderr
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-TRAIN = ["--preset", "tiny", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
+TRAIN = ["--json", "--preset", "tiny", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
          "--set", "model.seq_len=16", "--set", "data.max_bytes_per_domain=50000"]
 MOELAB = [sys.executable, "-c", "from moelab.cli import main; main()"]
 

@@ -97,6 +97,7 @@ def train(
     verify_data: Annotated[bool, typer.Option(
         "--verify-data", help="Re-hash every token-store shard the run opens (otherwise a shard is re-hashed when "
                               "its size, mtime, inode or ctime changed since it was last verified).")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
 
@@ -138,7 +139,19 @@ def train(
         raise ConfigError("--name names the W&B run; add --wandb to log to W&B.")
     summary = run_training(cfg, out, watchers, sinks)
     if is_writer():  # every host returns the same summary; one prints it
-        print(json.dumps(summary))
+        print(json.dumps(summary) if json_out else summary_line(summary, out))
+
+
+def summary_line(summary: dict, out: Path) -> str:
+    """A finished run in one line for a person: where it ended, how fast, where its files are (`--json`: all of it)."""
+    evals = summary.get("eval") or {}
+    start = (summary.get("eval_initial") or {}).get("mean")
+    held_out = (f", held-out loss {evals['mean']:.3f}" + (f" (from {start:.3f})" if start is not None else "")
+                if "mean" in evals else "")
+    incidents = summary.get("incidents", 0)
+    return (f"Trained to step {summary['step']}: loss {summary['loss']:.3f}{held_out}, "
+            f"{summary.get('tokens_per_s', 0):,.0f} tokens/s, {incidents} incident{'' if incidents == 1 else 's'}. "
+            f"Run in {out} (summary.json has every figure; --json prints it).")
 
 
 def _wandb_sink(cfg: RunConfig, out: Path, name: str | None):
