@@ -42,6 +42,14 @@ def test_presets_lists_every_preset(monkeypatch, capsys):
         (["train", "--preset", "tiny", "--set", "model.moe.capacity_factor=0"], "capacity_factor=0"),
         (["train", "--preset", "tiny", "--set", "model.moe.bogus=1"], "Unknown key model.moe.bogus"),
         (["train", "--preset", "tiny", "--set", "train.steps"], "section.field=value"),
+        # issue 54: the value of a `--set` without '=' became CONFIG; now the message is about the '='
+        (["train", "--preset", "tiny", "--set", "model.d_model", "128"],
+         "--set model.d_model has no '=': write --set model.d_model=VALUE (section.field=value, no spaces; here "
+         "--set model.d_model=128)"),
+        (["train", "--preset", "tiny", "--set", "model.moe.top_k=2"], "(did you mean num_experts_per_token?)"),
+        (["train", "--preset", "tiny", "--set", "train.stpes=2"], "(did you mean steps?)"),
+        (["train", "--preset", "tinny"], "unknown preset 'tinny' (did you mean tiny?)"),
+        (["train", "--preset", "tiny", "--mesh", "expert=3"], "mesh.expert that would work: 1, 2, 4, 8"),
         (["train", "--preset", "tiny", "--set", "model.vocab_size=100"], "model.vocab_size=100"),
         (["train"], "exactly one of CONFIG.yaml or --preset"),
         (["train", "--preset", "tiny", "--set", "model.seq_len=100000"], "fewer than one row of seq_len + 1"),

@@ -14,6 +14,7 @@ a config may hold in one place; split by section, the rules between sections wou
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -53,6 +54,11 @@ __all__ = [
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: {allowed}.")
+
+
+def _divisors(n: int) -> list[int]:
+    """n's divisors, ascending: the mesh sizes an error can offer."""
+    return [d for d in range(1, n + 1) if n % d == 0] if isinstance(n, int) and 0 < n <= 10**6 else []
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -603,14 +609,16 @@ class RunConfig:
             moe.num_experts % self.mesh.expert == 0,
             "model.moe.num_experts",
             moe.num_experts,
-            f"must be divisible by mesh.expert={self.mesh.expert} so each expert shard holds whole experts",
+            f"must be divisible by mesh.expert={self.mesh.expert} so each expert shard holds whole experts "
+            f"(mesh.expert that would work: {', '.join(map(str, _divisors(moe.num_experts)))})",
         )
         _check(
             self.train.batch_size % self.mesh.num_devices == 0,
             "train.batch_size",
             self.train.batch_size,
             f"must be divisible by the {self.mesh.num_devices} devices of mesh "
-            f"replica={self.mesh.replica} x expert={self.mesh.expert}",
+            f"replica={self.mesh.replica} x expert={self.mesh.expert} (device counts that would work: "
+            f"{', '.join(map(str, _divisors(self.train.batch_size)[:12]))})",
         )
         per_microbatch = self.mesh.num_devices * self.train.microbatches
         _check(
@@ -700,7 +708,8 @@ def _build(cls: type, data: dict, where: str) -> Any:
     prefix = f"{where}." if where else ""
     if unknown:
         raise ConfigError(
-            f"Unknown key {prefix}{unknown[0]}; the keys allowed here are: {', '.join(names)}."
+            f"Unknown key {prefix}{unknown[0]}{did_you_mean(unknown[0], names)}; the keys allowed here are: "
+            f"{', '.join(names)}."
         )
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
@@ -851,6 +860,25 @@ def _phases_name_dropped_domains(phases: list[dict], overrides: dict[str, Any]) 
     return any(name not in names for phase in phases for name in phase["weights"])
 
 
+# What other stacks (Hugging Face configs, Megatron, MaxText) call a field moelab names otherwise.
+ALIASES = {"top_k": "num_experts_per_token", "num_experts_per_tok": "num_experts_per_token",
+           "moe_top_k": "num_experts_per_token", "num_local_experts": "num_experts", "n_routed_experts": "num_experts",
+           "n_experts": "num_experts", "hidden_size": "d_model", "n_embd": "d_model", "emb_dim": "d_model",
+           "num_hidden_layers": "num_layers", "n_layer": "num_layers", "num_attention_heads": "num_heads",
+           "n_head": "num_heads", "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "seq_len",
+           "max_seq_len": "seq_len", "moe_intermediate_size": "expert_dim", "intermediate_size": "expert_dim",
+           "learning_rate": "lr", "global_batch_size": "batch_size", "n_shared_experts": "num_shared_experts"}
+
+
+def did_you_mean(name: str, choices: list[str]) -> str:
+    """" (did you mean X?)" for the closest of `choices` to `name` (a known alias first); "" when none is close."""
+    alias = ALIASES.get(name)
+    if alias in choices:
+        return f" (did you mean {alias}?)"
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def override(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     """Apply dotted overrides (`{"model.moe.num_experts": 16}`) and re-validate the whole config."""
     data = to_dict(cfg)
@@ -863,7 +891,8 @@ def override(cfg: RunConfig, overrides: dict[str, Any]) -> RunConfig:
             if not isinstance(node, dict) or part not in node:
                 path = ".".join(parts[: i + 1])
                 options = ", ".join(node) if isinstance(node, dict) else "none"
-                raise ConfigError(f"Unknown key {path} in --set {key}=...; the keys allowed here are: {options}.")
+                hint = did_you_mean(part, list(node)) if isinstance(node, dict) else ""
+                raise ConfigError(f"Unknown key {path} in --set {key}=...{hint}; the keys allowed here are: {options}.")
             if i == len(parts) - 1:
                 node[part] = value
             else:

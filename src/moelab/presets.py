@@ -25,7 +25,7 @@ from typing import Any
 
 from moelab.accounting import count_params, flops_per_token, train_tokens
 from moelab.config import (BALANCER_KNOBS, MeshConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig, from_dict,
-                           load_yaml, override)
+                           did_you_mean, load_yaml, override)
 from moelab.errors import ConfigError
 
 __all__ = ["PRESETS", "FRONTIER_LADDER", "LADDERS", "GPU_VOCAB", "EVALS_PER_RUN", "dense_counterpart", "get",
@@ -185,7 +185,8 @@ LADDERS = {"frontier-535b": (FRONTIER_LADDER, FRONTIER_RUNG_BATCH)}
 def get(name: str) -> RunConfig:
     """The preset `name`; an unknown name raises ConfigError listing the known ones."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (see `moelab presets`).")
+        raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, list(PRESETS))}; choose one of: "
+                          f"{', '.join(PRESETS)} (see `moelab presets`).")
     return replace(PRESETS[name][0](), name=name)
 
 

@@ -50,6 +50,11 @@ DataOpt = Annotated[Optional[Path], typer.Option(
 def resolve_config(config: Path | None, preset: str | None, sets: list[str] | None = None, data: Path | None = None,
                    **fields) -> RunConfig:
     """The run config from exactly one of a YAML file or a preset, with `--data`, `--set` and flag `fields` applied."""
+    bare = [item for item in sets or [] if "=" not in item]
+    if bare:  # `--set model.d_model 128`: the value became CONFIG, and the message would be about that
+        raise ConfigError(f"--set {bare[0]} has no '=': write --set {bare[0]}=VALUE (section.field=value, no spaces"
+                          + (f"; here --set {bare[0]}={config}" if config is not None and preset is not None else "")
+                          + ").")
     if (config is None) == (preset is None):
         raise ConfigError("give exactly one of CONFIG.yaml or --preset NAME, e.g. `moelab train --preset tiny`.")
     updates = {"data": read_data_yaml(data)} if data is not None else {}
