@@ -573,9 +573,10 @@ def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_t
     at_target = noise["checkpoint_sd"] * (3e8 / noise["ref_params"]) ** -noise["size_exponent"]
     assert track.forecast.eval_sd * track.forecast.final_pred == pytest.approx(at_target, rel=1e-9)
     code, out, err = run_cli(["ladder", "fit", "--curves", str(curves), "--target", str(target_csv), "--out",
-                              str(tmp_path / "CLI.csv"), "--bootstrap", "20"], monkeypatch, capsys)
+                              str(tmp_path / "CLI.csv"), "--bootstrap", "20", "--verbose"], monkeypatch, capsys)
     assert code == 0, err
-    assert f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f}" in " ".join(out.split())
+    assert (f"Noise: smaller runs stray further from the law, as N^-{noise['size_exponent']:.2f}" in " ".join(out.split())
+            and "at N = 10M)" in " ".join(out.split()))  # sizes as people say them (issue 54)
     prior = summary["fit"]["alpha_prior"]
     assert prior["weight"] > 0 and prior["z"] == pytest.approx(fit.alpha_prior_z(summary["params"]["alpha"]))
     assert f"the fitted alpha sits {prior['z']:+.2f} sd from it" in " ".join(out.split())

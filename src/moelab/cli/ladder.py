@@ -110,6 +110,7 @@ def run(
     task: Annotated[bool, typer.Option("--task", help="Also predict the target's final accuracy on the arithmetic "
                                        "task: each rung keeps a checkpoint per quarter of its steps, each is scored "
                                        "(task_points.csv), and the prediction goes to task_prediction.json.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Also print the fitted law, its noise and its prior.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Train the rungs (resumable), fit the curve law, and predict the target with bands."""
@@ -123,7 +124,7 @@ def run(
     if json_out:
         print(json.dumps(summary))
         return
-    _print_fit(summary)
+    _print_fit(summary, verbose)
     if task:
         _print_task(summary["task"], out / TASK_PREDICTION)
     pred = out / PREDICTION
@@ -134,9 +135,11 @@ def run(
 
 @ladder_app.command()
 def fit(
-    curves: Annotated[Path, typer.Option(help="CURVES.csv: run,params,step,tokens,lr,loss.")],
-    target: Annotated[Path, typer.Option(help="TARGET.csv: run,params,step,tokens,lr (the planned schedule).")],
-    out: Annotated[Path, typer.Option(help="PRED.csv to write: target rows + loss_pred,lo80,hi80,lo95,hi95.")],
+    curves: Annotated[Path, typer.Option(help="CURVES.csv with the columns run, params, step, tokens, lr, loss.")],
+    target: Annotated[Path, typer.Option(
+        help="TARGET.csv with the columns run, params, step, tokens, lr: the planned schedule.")],
+    out: Annotated[Path, typer.Option(
+        help="PRED.csv to write: the target's rows plus loss_pred, lo80, hi80, lo95, hi95.")],
     bootstrap: Annotated[int, typer.Option(help="Bootstrap refits (two-level residual resamples) for the bands.")] = NUM_BOOTSTRAP,
     same_data_order: Annotated[bool, typer.Option(
         help="Curves of one size whose runs and the target share one seed and data order (a schedule sweep): "
@@ -151,9 +154,14 @@ def fit(
     band: Annotated[str, typer.Option(
         help="bootstrap (run and checkpoint noise, the fit's uncertainty) or calibrated (also the law's misfit on "
              "runs it did not see: leave a size, horizon or schedule out).")] = DEFAULT_BAND,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Also print the fitted law, its noise and its prior.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Fit the schedule-aware curve law on external curves and predict a target's curve with bands."""
+    """Fit the schedule-aware curve law on external curves and predict a target's curve with bands.
+
+    CURVES.csv: run, params, step, tokens, lr, loss (one row per eval of each run; params: active non-embedding
+    parameters). TARGET.csv: run, params, step, tokens, lr.
+    """
     from moelab.ladder.predict import fit_curves
 
     summary = fit_curves(curves, target, out, num_bootstrap=bootstrap, same_data_order=same_data_order,
@@ -162,8 +170,8 @@ def fit(
     if json_out:
         print(json.dumps(summary))
         return
+    _print_fit(summary, verbose)
     out_console.print(f"Wrote {out} and its sidecar {out.with_suffix('.json')}.")
-    _print_fit(summary)
 
 
 def _bootstrap_bar(refits):
@@ -173,17 +181,50 @@ def _bootstrap_bar(refits):
     return track(refits, description="bootstrap refits", console=err_console, transient=True)
 
 
-def _print_fit(summary: dict) -> None:
-    """The law, the target's final prediction next to the self-check, and the notes (a failed self-check loudly)."""
+def human_count(n: float) -> str:
+    """14162304 -> '14M', 1.2e9 -> '1.2B': a parameter or token count as people say it."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _print_fit(summary: dict, verbose: bool = False) -> None:
+    """The prediction first, in plain words: each target's final loss and band, then whether the self-check
+    says to trust it and the notes; the fit's internals (law, noise, prior, calibration) after, with `verbose`."""
+    for t in summary["targets"]:
+        out_console.print(f"[bold]Prediction[/] for {escape(t['run'])} ({human_count(t['params'])} params, "
+                          f"{human_count(t['final_tokens'])} tokens): final loss {t['loss_pred']:.4f}, 95% band "
+                          f"{t['lo95']:.4f} to {t['hi95']:.4f} (+-{t['band95_half_width']:.1%}).")
+    check = summary["self_check"]
+    if "skipped" in check:
+        out_console.print(f"Self-check skipped, so nothing says whether to trust it: {check['skipped']}")
+    else:
+        held = escape(", ".join(check["held_out"]))
+        plain = {"passed": "[green]PASSED[/]: trust the prediction",
+                 "failed": "[bold red]FAILED[/]: do not trust the prediction; fix the recipe first",
+                 "uninformative": f"[bold yellow]UNINFORMATIVE[/]: its band (+-{check['band95_half_width']:.1%}) is too "
+                                  "wide to tell a good recipe from a bad one, so do not trust the prediction yet"
+                 }[check["verdict"]]
+        out_console.print(f"Self-check {plain}. (Refitted without {held}, the law predicted it "
+                          f"{check['final_error']:+.2%} off at the end, {check['band95_coverage']:.0%} of its evals "
+                          "inside the band.)")
+    for note in summary["notes"]:
+        loud = note.startswith("SELF-CHECK")
+        print_problem("FAILED" if note.startswith("SELF-CHECK FAILED") else "Not trusted" if loud else "Note", note,
+                      "bold red" if loud else "yellow")
+    if not verbose:
+        out_console.print("[dim]The fitted law, its noise and its prior: --verbose, or the sidecar.[/]")
+        return
     out_console.print(f"Fitted law: {summary['law']}")
     for name, value in summary["params"].items():
         if not (name in ("A", "alpha") and "(one size)" in summary["law"]):
             out_console.print(f"  {name} = {value:.6g}")
     noise = summary["noise"]
     if noise.get("size_exponent", 0.0) > 0:
-        out_console.print(f"Weighted fit: a run strays from the law as N^-{noise['size_exponent']:.2f} (sd "
+        out_console.print(f"Noise: smaller runs stray further from the law, as N^-{noise['size_exponent']:.2f} (sd "
                           f"{noise['run_sd']:.3g} between runs, {noise['checkpoint_sd']:.3g} within one, at N = "
-                          f"{noise['ref_params']:.4g}); each band carries the noise of its run's own size.")
+                          f"{human_count(noise['ref_params'])}); each band carries the noise of its run's own size.")
     shared = summary.get("shared_noise")
     if shared:
         rows = ", ".join(f"{escape(name)} {n}" for name, n in shared["rows_borrowing"].items())
@@ -191,30 +232,14 @@ def _print_fit(summary: dict) -> None:
                           f"own: {shared['own_sd']:.3g}); rows borrowing it: {rows}.")
     prior = summary["fit"]["alpha_prior"]
     if prior:
-        out_console.print(f"Prior on alpha: log-normal around {prior['median']:g} (x{math.exp(prior['log_sd']):.3g} "
-                          f"per sd), weighted as one run; the fitted alpha sits {prior['z']:+.2f} sd from it.")
+        out_console.print(f"Prior on the size exponent alpha: log-normal around {prior['median']:g} "
+                          f"(x{math.exp(prior['log_sd']):.3g} per sd), weighted as one run; the fitted alpha sits "
+                          f"{prior['z']:+.2f} sd from it.")
     misfit = summary.get("misfit")
     if misfit:
         out_console.print(f"Band calibrated ({misfit['scheme']}, {len(misfit['held_out'])} held-out runs, seeds "
                           f"averaged): the law missed "
                           f"runs it did not see by up to {misfit['q95']:.2%} (95%), added to every band in quadrature.")
-    for t in summary["targets"]:
-        out_console.print(f"Target {escape(t['run'])}: final loss {t['loss_pred']:.4f}, 95% band "
-                          f"[{t['lo95']:.4f}, {t['hi95']:.4f}] (+-{t['band95_half_width']:.2%})")
-    check = summary["self_check"]
-    if "skipped" in check:
-        out_console.print(f"Self-check skipped: {check['skipped']}")
-    else:
-        verdict = {"passed": "[green]passed[/]", "failed": "[bold red]FAILED[/]",
-                   "uninformative": f"[bold yellow]uninformative[/] (its band is +-{check['band95_half_width']:.1%})"
-                   }[check["verdict"]]
-        out_console.print(f"Self-check (fit without {escape(', '.join(check['held_out']))}, predict it): final error "
-                          f"{check['final_error']:+.2%}, MAPE {check['mape_after_10pct']:.2%}, band coverage "
-                          f"{check['band95_coverage']:.0%}: {verdict}")
-    for note in summary["notes"]:
-        loud = note.startswith("SELF-CHECK")
-        print_problem("FAILED" if note.startswith("SELF-CHECK FAILED") else "Not trusted" if loud else "Note", note,
-                      "bold red" if loud else "yellow")
 
 
 @ladder_app.command()
