@@ -235,11 +235,11 @@ def test_forecast_before_any_eval_is_the_prediction_with_the_prior_band():
 
 
 def test_forecast_is_the_conjugate_normal_update_with_halving_weights():
-    """Three evals 4%, 6% and 8% above the prediction: the posterior by hand."""
-    f = ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02)
+    """Three evals 4%, 6% and 8% above the prediction, before the final step: the posterior by hand."""
+    f = ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02)
     prior_sd, eval_sd = 0.1 / 1.959963984540054 / 2.0, 0.02 / 2.0
     for step, rel in ((100, 0.04), (200, 0.06), (300, 0.08)):
-        pred = np.interp(step, [0, 300], [3.0, 2.0])
+        pred = np.interp(step, [0, 400], [3.0, 2.0])
         out = f.update(step, pred * (1 + rel))
     weights = 0.5 ** (np.array([2, 1, 0]) / HALF_LIFE)
     precision = 1 / prior_sd**2 + weights.sum() / eval_sd**2
@@ -252,18 +252,30 @@ def test_forecast_is_the_conjugate_normal_update_with_halving_weights():
 def test_forecast_weighs_each_eval_by_the_checkpoint_sd_at_its_step():
     """Per-step checkpoint sds (an early eval noisier than a late one, interpolated between planned
     steps): each eval's weight is its halving weight over its own variance."""
-    f = ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02])
+    f = ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02])
     prior_sd = 0.1 / 1.959963984540054 / 2.0
-    sds = np.interp([100, 200, 300], [0, 300], [0.06, 0.02]) / 2.0
+    sds = np.interp([100, 200, 300], [0, 400], [0.06, 0.02]) / 2.0
     for step, rel in ((100, 0.04), (200, 0.06), (300, 0.08)):
-        out = f.update(step, np.interp(step, [0, 300], [3.0, 2.0]) * (1 + rel))
+        out = f.update(step, np.interp(step, [0, 400], [3.0, 2.0]) * (1 + rel))
     weights = 0.5 ** (np.array([2, 1, 0]) / HALF_LIFE) / sds**2
     precision = 1 / prior_sd**2 + weights.sum()
     assert out["forecast/final"] == pytest.approx(2.0 * (1 + weights @ [0.04, 0.06, 0.08] / precision), rel=1e-12)
-    flat = ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02)
-    early = [f2.update(100, np.interp(100, [0, 300], [3.0, 2.0]) * 1.04)["forecast/final"]
-             for f2 in (ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02]), flat)]
+    flat = ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02)
+    early = [f2.update(100, np.interp(100, [0, 400], [3.0, 2.0]) * 1.04)["forecast/final"]
+             for f2 in (ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02]), flat)]
     assert early[0] < early[1]  # the noisier early eval pulls the forecast less
+
+
+def test_at_the_final_step_the_forecast_is_what_was_observed():
+    """Issue 54: at its last eval the demo forecast 1.767 beside an observed 1.8035. The final eval is the final loss,
+    so the forecast is that value, its band the eval's own noise (2% here: +-3.9%), however far the prior was."""
+    f = ForecastFinal([0, 300], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.04)
+    f.update(200, 2.5)
+    out = f.update(300, 2.3)  # 15% above the prediction, far outside the prior band
+    assert out["forecast/final"] == 2.3
+    assert (out["forecast/lo95"], out["forecast/hi95"]) == pytest.approx((2.3 * (1 - 1.96 * 0.02), 2.3 * (1 + 1.96 * 0.02)),
+                                                                         rel=1e-4)
+    assert not f.inside(out)
 
 
 def _pred_rows(steps, loss_pred, half=0.03):

@@ -25,6 +25,9 @@ sum_j w_j r_j / s_e,j^2 over it).
 
 A forecast outside [lo95, hi95] of the final step says the run will likely end off its hypothesis,
 usually long before its own evals have left the per-step band twice in a row.
+
+At the final step the final loss has been measured: the forecast is that eval, with the eval's own noise as
+its band (issue 54: the demo's last line forecast 1.767 beside an observed 1.8035, the prior still pulling).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class ForecastFinal:
         if math.isfinite(loss) and math.isfinite(pred) and pred > 0:
             self._residuals.append(loss / pred - 1.0)
             self._variances.append(float(np.interp(step, self._steps, self._eval_sd)) ** 2)
+        if step >= self._steps[-1] and math.isfinite(loss):  # the final eval: nothing left to forecast
+            noise = _Z95 * self.eval_sd * loss
+            return {"forecast/final": float(loss), "forecast/lo95": loss - noise, "forecast/hi95": loss + noise}
         ages = np.arange(len(self._residuals))[::-1]
         weights = 0.5 ** (ages / HALF_LIFE) / np.asarray(self._variances)
         precision = 1.0 / self.prior_sd**2 + weights.sum()
