@@ -741,6 +741,13 @@ def test_a_ladder_experiments_bundle_verifies_and_the_watched_runs_prediction_is
     problems = verify_bundle(copy).problems
     assert any(p.startswith(f"steps/train/prediction.json is not the result ledger record {fit_seq} holds: notes")
                for p in problems), problems
+    # The experiment page shows the main run first, its rungs after it (issue 54)
+    code, _, err = cli(monkeypatch, ["lab", "site", "--root", "runs", "--out", "site", "--ledger", str(ledger)],
+                       tmp_path)
+    assert code == 0, err
+    page = (tmp_path / "site" / "exp" / "bun-ladder.html").read_text()
+    runs = page[page.index('id="runs"'):]
+    assert 0 <= runs.index("bun-target") < runs.index("rung-")
 
 
 def test_a_resumed_runs_files_verify_and_a_row_deleted_after_the_resume_does_not(tmp_path):

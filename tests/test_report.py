@@ -503,3 +503,15 @@ def test_the_verdict_carries_the_predictions_trust_everywhere_it_is_shown(lab, t
     assert 'prediction: <span class="badge uninformative">uninformative</span>' in index
     page = next((tmp_path / "site" / "exp").glob("*.html")).read_text()
     assert words in page
+
+
+def test_report_table_cells_break_only_long_tokens_never_words():
+    """Issue 54: `overflow-wrap: anywhere` on every cell split "step" into "ste p" in a narrow column; now only a
+    token over 24 characters (a hash, a path) may wrap anywhere, so a word stays whole and the table still fits."""
+    from moelab.lab.report import _CSS, _cell_html
+
+    assert _cell_html("step") == "step" and _cell_html("pre-training phase") == "pre-training phase"
+    long = "a" * 40
+    assert _cell_html(f"commit {long}") == f'commit <span class="long">{long}</span>'
+    assert ".long{overflow-wrap:anywhere}" in _CSS and "td,th{" in _CSS
+    assert "overflow-wrap:anywhere}" not in _CSS.split(".long")[0]  # cells themselves never break words

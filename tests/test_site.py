@@ -136,6 +136,19 @@ def test_a_page_holds_the_registered_spec_amendments_runs_against_the_band_steps
     assert "node lost at step 6" in failed and "<polyline" in failed  # the error and the curve up to the failure
 
 
+def test_the_spec_reads_as_prose_and_lists_and_times_read_to_the_second(lab):
+    """Issue 54: the spec as labelled lists with the prose as paragraphs (the YAML one click away, in <details>),
+    a [low, high] threshold on one line, and every timestamp to the second, in UTC, without microseconds."""
+    _, _, site, _, _ = lab
+    page = _page(site, "s-confirmed")
+    spec_part = page[page.index('id="spec"'):page.index('id="amendments"')]
+    assert "<dt>hypothesis</dt><dd>" in spec_part and "<dt>band</dt><dd>null, 10</dd>" in spec_part
+    assert "<details><summary>the spec as YAML</summary><pre>" in spec_part
+    assert re.search(r"registered \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", page)
+    for text in (page, (site / INDEX).read_text()):
+        assert not re.search(r"\d\d:\d\d:\d\d\.\d{3,}", text)  # no fraction of a second anywhere
+
+
 def test_the_live_site_grew_after_each_eval_of_the_run(lab):
     """`lab run --site`: a rebuild before the first step, after each step event and after each eval; the
     experiment's page shows more of the curve as the run goes."""

@@ -35,7 +35,7 @@ from moelab.files import sha256_file, write_bytes, write_json, write_text
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.plots import forecast_plot, line_plot, mixture_plot, router_load_heatmap
 from moelab.lab.registry import REPRODUCTION, Experiment, band_text, load_experiment, verdict
-from moelab.lab.view import RunFiles, drops_by_phase, find_run_dir, read_run, router_settings, series
+from moelab.lab.view import RunFiles, drops_by_phase, find_run_dir, read_run, router_settings, series, when
 from moelab.ladder.contract import self_check, trust, trust_text
 from moelab.train.outputs import CONFIG, MIXTURE_LOG, ROUTER_LOAD, SAMPLES
 
@@ -87,6 +87,11 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "—" if value is None else str(value)
+
+
+def _weights(weights: dict | None) -> str:
+    """A mixture's weights as a reader scans them: 'code 0.45, prose 0.35, arithmetic 0.2' (not raw JSON)."""
+    return ", ".join(f"{k} {v:g}" for k, v in (weights or {}).items()) or "—"
 
 
 def figure_name(name: str) -> str:
@@ -211,7 +216,7 @@ def _mixture(run: RunFiles, plots: bool = True) -> Section:
         sec.img("mixture", mixture_plot(snapshots))
     if changes:
         sec.table(["step", "phase", "weights", "message"],
-                  [[c.get("step"), c.get("phase"), json.dumps(c.get("weights"), sort_keys=True), c.get("message")]
+                  [[c.get("step"), c.get("phase"), _weights(c.get("weights")), c.get("message")]
                    for c in changes])
     else:
         sec.note("No mixture changes were logged.")
@@ -275,7 +280,7 @@ def _amendments(experiment: Experiment) -> Section:
     if not experiment.amendments:
         sec.p("None: the spec ran as registered.")
     for n, a in enumerate(experiment.amendments, 1):
-        sec.p(f"{n}. {a.body['reason']} ({a.created_at}; ledger record {a.seq}); changed: "
+        sec.p(f"{n}. {a.body['reason']} ({when(a.created_at)}; ledger record {a.seq}); changed: "
               f"{', '.join(a.body['changes'])}", record=a.seq)
         sec.pre(a.body["diff"], record=a.seq)
     return sec
@@ -355,7 +360,7 @@ def _reproductions(sec: Section, experiment: Experiment) -> None:
         b = r.body
         for name, step in b["steps"].items():
             first = step.get("first_difference")
-            rows.append([r.seq, r.created_at, name, f"{step['until']} of {step['steps']}", str(b["git_commit"])[:12],
+            rows.append([r.seq, when(r.created_at), name, f"{step['until']} of {step['steps']}", str(b["git_commit"])[:12],
                          platforms[b.get("same_platform")],
                          ", ".join(f"{k}={v}" for k, v in b.get("overrides", {}).items()) or "none",
                          step["verdict"], step.get("params"),
@@ -410,9 +415,19 @@ def report_document(title: str, sections: list[Section]) -> dict:
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
 table{border-collapse:collapse;margin:.5rem 0;max-width:100%}td,th{border:1px solid #ccc;padding:.25rem .5rem;
-text-align:left;vertical-align:top;overflow-wrap:anywhere}pre{background:#f5f5f5;padding:.5rem;white-space:pre-wrap;
+text-align:left;vertical-align:top;overflow-wrap:break-word}.long{overflow-wrap:anywhere}pre{background:#f5f5f5;padding:.5rem;white-space:pre-wrap;
 overflow-wrap:anywhere}.note{color:#666;font-style:italic}
 svg{max-width:100%;height:auto}section{border-top:1px solid #ddd;margin-top:1.5rem}"""
+
+
+_LONG = 24  # characters: a token longer than this (a hash, a path, a command) may break anywhere; words never do
+
+
+def _cell_html(text: str) -> str:
+    """A table cell: each token over `_LONG` characters in a span that may wrap anywhere, so a table fits the
+    window without breaking a word like "step" mid-word (issue 54)."""
+    return " ".join(f'<span class="long">{html.escape(t)}</span>' if len(t) > _LONG else html.escape(t)
+                    for t in text.split(" "))
 
 
 def _html_part(part: dict, figures: dict[str, bytes]) -> str:
@@ -425,7 +440,7 @@ def _html_part(part: dict, figures: dict[str, bytes]) -> str:
         return f"<pre>{html.escape(part['text'])}</pre>"
     if kind == "table":
         head = "".join(f"<th>{html.escape(h)}</th>" for h in part["head"])
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in part["rows"])
+        body = "".join("<tr>" + "".join(f"<td>{_cell_html(c)}</td>" for c in row) + "</tr>" for row in part["rows"])
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
     return figures[part["name"]].decode()  # the file's own text: what report.json's SHA-256 names
 

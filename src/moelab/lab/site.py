@@ -45,7 +45,7 @@ from moelab.lab.ledger import Ledger, Record, records, verify
 from moelab.lab.plots import svg_curves
 from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
                                  TRAIN_STEP, band_text, load_experiment)
-from moelab.lab.view import ExperimentView, RunView, drops_by_phase, experiment_view, router_settings, series
+from moelab.lab.view import ExperimentView, RunView, drops_by_phase, experiment_view, router_settings, series, when
 from moelab.ladder import contract
 
 __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "build_site", "publish_site", "Built", "counted"]
@@ -102,7 +102,7 @@ def _page(title: str, body: str, home: str, head: Record) -> str:
             f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{_e(title)}</title>'
             f'<style>{_CSS}</style></head><body><nav><a href="{home}{INDEX}">Experiments</a>'
             f'<a href="{home}{TIMELINE}">Timeline</a></nav>{body}'
-            f'<footer>Built from ledger record {head.seq} (sha256 <code>{head.hash}</code>, written {_e(head.created_at)}).'
+            f'<footer>Built from ledger record {head.seq} (sha256 <code>{head.hash}</code>, written {_e(when(head.created_at))}).'
             f' Check it is still in the chain: <code>moelab lab verify --head {head.hash[:16]}</code>.</footer>'
             "</body></html>\n")
 
@@ -111,6 +111,20 @@ def _predicted(view: ExperimentView) -> str:
     p = view.experiment.spec.prediction
     expected = "" if p.expected is None else f"{p.expected:g} "
     return f"{_e(p.metric)} {expected}in {band_text(p.band)}"
+
+
+def _readable(value: Any) -> str:
+    """A spec for reading: mappings as labelled lists, lists as lists, prose as paragraphs, a list of numbers on
+    one line; the YAML it was registered as stays one click away."""
+    if isinstance(value, dict):
+        return "<dl>" + "".join(f"<dt>{_e(str(k))}</dt><dd>{_readable(v)}</dd>" for k, v in value.items()) + "</dl>"
+    if isinstance(value, list):
+        if all(isinstance(v, (int, float, type(None))) for v in value):
+            return _e(", ".join("null" if v is None else f"{v:g}" for v in value))
+        return "<ul>" + "".join(f"<li>{_readable(v)}</li>" for v in value) + "</ul>"
+    if isinstance(value, str) and len(value) > 80:
+        return "".join(f"<p>{_e(' '.join(para.split()))}</p>" for para in value.split("\n\n") if para.strip())
+    return _e("null" if value is None else str(value))
 
 
 def _trust(view: ExperimentView) -> str:
@@ -152,7 +166,7 @@ def _experiment_page(view: ExperimentView, bundle: str | None, bundle_note: str)
     reg = exp.registration
     parts = [f"<h1>{_e(spec.title)}</h1>",
              f"<p><code>{_e(exp.id)}</code> {_badge(view.status)} {_badge(view.verdict)} "
-             f"owner {_e(spec.owner)}, registered {_e(reg.created_at)} (ledger record {reg.seq})</p>",
+             f"owner {_e(spec.owner)}, registered {_e(when(reg.created_at))} (ledger record {reg.seq})</p>",
              f"<h2 id=\"question\">Question</h2><p>{_e(spec.question)}</p>",
              f"<h2 id=\"hypothesis\">Hypothesis and prediction</h2><p>{_e(spec.hypothesis)}</p>",
              _table(["metric", "expected", "threshold (pre-registered)", "decision rule", "observed", "verdict"],
@@ -160,25 +174,25 @@ def _experiment_page(view: ExperimentView, bundle: str | None, bundle_note: str)
                       _e(p.decision_rule), _outcome(view), _badge(view.verdict) or _e(view.status)]])]
     if view.status == FINISHED and view.trust is not None:
         parts.append(f'<p id="trust">{_e(contract.trust_text(view.trust))}</p>')
-    registered = yaml.safe_dump(reg.body["spec"], sort_keys=False)
+    registered = yaml.safe_dump(reg.body["spec"], sort_keys=False, width=10**6)
     parts.append(f"<h2 id=\"spec\">Spec as registered</h2><p>content hash <code>{_e(reg.body.get('spec_hash'))}</code>,"
-                 f" git commit <code>{_e(reg.body.get('git_commit'))}</code></p><pre>{_e(registered)}</pre>")
+                 f" git commit <code>{_e(reg.body.get('git_commit'))}</code></p>{_readable(reg.body['spec'])}"
+                 f"<details><summary>the spec as YAML</summary><pre>{_e(registered)}</pre></details>")
     parts.append(f"<h2 id=\"amendments\">Amendments ({len(exp.amendments)})</h2>")
     if not exp.amendments:
         parts.append('<p class="note">None: the spec in force is the one registered.</p>')
     for i, a in enumerate(exp.amendments, 1):
-        parts.append(f"<h3>Amendment {i}: {_e(a.created_at)} (ledger record {a.seq})</h3>"
+        parts.append(f"<h3>Amendment {i}: {_e(when(a.created_at))} (ledger record {a.seq})</h3>"
                      f"<p>Reason: {_e(a.body.get('reason'))}</p><pre>{_e(str(a.body.get('diff', '')))}</pre>")
     parts.append("<h2 id=\"runs\">Runs</h2>")
     if not view.runs:
         parts.append('<p class="note">Nothing has trained yet.</p>')
-    for run in view.runs:
-        parts.append(_run_section(run, p.metric, p.band, run is view.runs[-1] and view.main is not None
-                                  and run.name == view.main))
+    for run in view.runs:  # the main run first, the ladder's rungs after it
+        parts.append(_run_section(run, p.metric, p.band, view.main is not None and run.name == view.main))
     parts.append("<h2 id=\"steps\">Steps</h2>")
     rows = [[_e(step), _e(e[-1].body.get("event")), _e(e[-1].body.get("attempt", "")),
              _e(str(Path(e[-1].body["output_dir"]).name) if e[-1].body.get("output_dir") else ""),
-             _e(e[-1].created_at), _e(str(e[-1].body.get("error") or e[-1].body.get("reason") or ""))]
+             _e(when(e[-1].created_at)), _e(str(e[-1].body.get("error") or e[-1].body.get("reason") or ""))]
             for step, e in view.steps.items()]
     parts.append(_table(["step", "last event", "attempt", "directory", "at", "error or reason"], rows) if rows else
                  '<p class="note">No step has run.</p>')
@@ -262,7 +276,7 @@ def _index_page(views: list[ExperimentView], head: Record) -> str:
     rows = [[f'<a href="{_e(_page_name(v.experiment.id))}">{_e(v.experiment.id)}</a><br>{_e(v.experiment.spec.title)}',
              _e(v.experiment.spec.question), _badge(v.status), _predicted(v), _outcome(v),
              (_badge(v.verdict) or "-") + _trust(v), str(len(v.experiment.amendments)),
-             f"{_e(v.last_event.created_at)}<br>{_e(_event_words(v.last_event))}"] for v in views]
+             f"{_e(when(v.last_event.created_at))}<br>{_e(_event_words(v.last_event))}"] for v in views]
     counts = {s: sum(v.status == s for v in views) for s in (REGISTERED, RUNNING, FINISHED, FAILED, ABANDONED)}
     verdicts = {s: sum(v.verdict == s for v in views) for s in (CONFIRMED, REFUTED, INCONCLUSIVE)}
     summary = ", ".join(f"{n} {s}" for s, n in {**counts, **verdicts}.items() if n)
@@ -297,7 +311,7 @@ def _timeline_page(views: list[ExperimentView], events: list[Record], head: Reco
         words = _event_words(record)
         if record.kind == "run" and record.body.get("step") == TRAIN_STEP and record.body.get("event") == "finished":
             words += f": concluded {view.verdict}" if view and view.verdict else ""
-        rows.append([_e(record.created_at), str(record.seq), link, _e(words)])
+        rows.append([_e(when(record.created_at)), str(record.seq), link, _e(words)])
     body = (f"<h1>Timeline: {len(events)} event(s)</h1><p>What was registered, amended, run and concluded, newest "
             "first (metric, incident and mixture records are on each experiment's page).</p>"
             + _table(["time", "record", "experiment", "event"], rows, cards=True))

@@ -33,7 +33,7 @@ from moelab.train.outputs import (CONFIG, DATA, INCIDENTS, METRICS, MIXTURE_LOG,
                                    read_summary)
 
 __all__ = ["series", "final_value", "locate_run_dir", "find_run_dir", "find_prediction",
-           "read_band", "read_moe_config", "router_settings", "drops_by_phase", "RunFiles", "read_run", "experiment_verdict", "RunView", "ExperimentView", "experiment_view"]
+           "read_band", "read_moe_config", "when", "router_settings", "drops_by_phase", "RunFiles", "read_run", "experiment_verdict", "RunView", "ExperimentView", "experiment_view"]
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` over the rows that logged it as a number."""
@@ -212,6 +212,11 @@ def read_run(out: Path, record: dict) -> RunFiles:
                     step, load, _incidents(out, metrics), read_jsonl(out / SAMPLES), read_moe_config(out))
 
 
+def when(created_at: str) -> str:
+    """A ledger timestamp (ISO 8601, UTC, microseconds) as a page shows it: '2026-12-06 08:12:34 UTC'."""
+    return f"{created_at[:10]} {created_at[11:19]} UTC" if len(created_at) >= 19 and created_at[10] == "T" else created_at
+
+
 def experiment_verdict(experiment: Experiment) -> tuple[str, float | None, dict | None]:
     """(verdict, observed value, the ladder prediction's trust or None) of a run experiment: what the report's
     first section states (`contract.trust`: the predicted value, its band and the self-check's verdict)."""
@@ -291,5 +296,5 @@ def experiment_view(experiment: Experiment, streams: Iterable[Record], root: Pat
         runs[main].moe = read_moe_config(where) if where is not None else None
     if status == FINISHED:
         found = verdict(experiment.spec.prediction, observed)
-    ordered = sorted(runs.values(), key=lambda r: (r.name == main, r.name))  # the main run last, as it ran
+    ordered = sorted(runs.values(), key=lambda r: (r.name != main, r.name))  # the main run first: what a reader seeks
     return ExperimentView(experiment, status, found, observed, trust, ordered, steps, head, last_event, main)
