@@ -379,7 +379,7 @@ def test_every_ep_step_of_the_train_command_on_the_2x4_mesh_equals_the_dense_ste
             "train.eval_batches": 1, "data.max_bytes_per_domain": 200_000, "model.moe.num_waves": 3,
             "model.moe.capacity_factor": NO_DROPS, "model.moe.transport_capacity_factor": NO_DROPS,
             "checkpoint.keep_last": steps}
-    args = ["train", "--preset", "tiny", "--mesh", "replica=2,expert=4", "--steps", str(steps),
+    args = ["train", "--json", "--preset", "tiny", "--mesh", "replica=2,expert=4", "--steps", str(steps),
             "--checkpoint-every", "1", "--out", str(tmp_path),
             *[arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]]
     code, out, err = run_cli(args, monkeypatch, capsys)
