@@ -146,13 +146,12 @@ def swiglu_buffers(buf: jax.Array, experts: Experts, fp8: bool = False) -> jax.A
     """[E, C, Din] buffer rows through their own expert's SwiGLU -> [E, C, Din]: batched einsums, the
     expert matmuls of `capacity` and of `ep`'s receivers; with `fp8`, FP8 GEMMs (`fp8.fp8_einsum`: each
     buffer row and each expert on its own scale, so the scales stay outside every sum but the weights')."""
-    if fp8:
-        gate = fp8_lib.fp8_einsum("ecd,edf->ecf", (1, 2), buf, experts["w_gate"])
-        up = fp8_lib.fp8_einsum("ecd,edf->ecf", (1, 2), buf, experts["w_up"])
-        return fp8_lib.fp8_einsum("ecf,efd->ecd", (1, 2), jax.nn.silu(gate) * up, experts["w_down"])
-    gate = jnp.einsum("ecd,edf->ecf", buf, experts["w_gate"])
-    up = jnp.einsum("ecd,edf->ecf", buf, experts["w_up"])
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])
+    def matmul(spec, x, w):
+        return fp8_lib.fp8_einsum(spec, (1, 2), x, w) if fp8 else jnp.einsum(spec, x, w)
+
+    gate = matmul("ecd,edf->ecf", buf, experts["w_gate"])
+    up = matmul("ecd,edf->ecf", buf, experts["w_up"])
+    return matmul("ecf,efd->ecd", jax.nn.silu(gate) * up, experts["w_down"])
 
 
 def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float) -> int:

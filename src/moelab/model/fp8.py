@@ -12,10 +12,11 @@ run's compute dtype or float32.
 Activations and gradients are scaled per row (over their last axis, the features), weights per tensor (per
 expert for the routed experts'). Per row, each token's rounding depends on that token alone, so every
 dispatch backend (`dense` masks, `capacity` pads, `ep` splits rows across devices) rounds every row the same
-way and they still compute one function. The rounding is written as quantize-dequantize: on a CPU it runs as
-is (an emulation, for tests); on a GPU it is the shape XLA's FP8 rewriter turns into FP8 GEMMs where it can
-(measured in the GPU suite, not assumed). Gradients pass the forward rounding straight through (the
-straight-through estimator; the scale carries no gradient).
+way and they still compute one function. Projections and `capacity`'s / `ep`'s expert GEMMs are float8
+`dot_general`s (`fp8_einsum`); `dense`, `dropless` and `grouped` write the same rounding as quantize-dequantize
+around their matmuls (`forward_fp8`, `gradient_fp8`). On a CPU both are exact emulations, for tests; what a GPU
+makes of them is measured in the GPU suite, not assumed. Gradients pass the forward rounding straight through
+(the straight-through estimator; the scale carries no gradient).
 """
 
 from __future__ import annotations
@@ -33,17 +34,23 @@ E5M2 = jnp.float8_e5m2  # gradients
 _MAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}  # each format's largest finite value
 
 
+def _quantize(x: jax.Array, fmt, axis) -> tuple[jax.Array, jax.Array]:
+    """(x / scale in `fmt`, scale) with current scaling over `axis` (kept as size-1 dims; None: all of them).
+    Computed in float32; the clip keeps a value that rounding pushed past the max from turning into NaN (e4m3fn
+    has no inf)."""
+    top = _MAX[jnp.dtype(fmt)]
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=axis, keepdims=True)
+    scale = jax.lax.stop_gradient(jnp.where(amax > 0, amax / top, 1.0))
+    return jnp.clip(x32 / scale, -top, top).astype(fmt), scale
+
+
 def quantize_dequantize(x: jax.Array, fmt, axis: int | tuple[int, ...] | None = -1) -> jax.Array:
     """x rounded to `fmt` with current scaling over `axis` (None: the whole tensor), back in x's dtype.
 
-    scale = max |x| / fmt's max (1 where x is all zero); q = fmt(clip(x / scale)); returns q * scale. Computed in
-    float32; the clip keeps a value that rounding pushed past the max from turning into NaN (e4m3fn has no inf).
+    scale = max |x| / fmt's max (1 where x is all zero); q = fmt(clip(x / scale)) (`_quantize`); returns q * scale.
     """
-    top = _MAX[jnp.dtype(fmt)]
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=axis, keepdims=axis is not None)
-    scale = jax.lax.stop_gradient(jnp.where(amax > 0, amax / top, 1.0))
-    q = jnp.clip(x32 / scale, -top, top).astype(fmt)
+    q, scale = _quantize(x, fmt, axis)
     return (q.astype(jnp.float32) * scale).astype(x.dtype)
 
 
@@ -80,15 +87,6 @@ def _gradient_bwd(axis, _, g):
 
 
 gradient_fp8.defvjp(_gradient_fwd, _gradient_bwd)
-
-
-def _quantize(x: jax.Array, fmt, axis) -> tuple[jax.Array, jax.Array]:
-    """(x / scale in `fmt`, scale) with current scaling over `axis` (kept as size-1 dims; None: all of them)."""
-    top = _MAX[jnp.dtype(fmt)]
-    x32 = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x32), axis=axis, keepdims=True)
-    scale = jax.lax.stop_gradient(jnp.where(amax > 0, amax / top, 1.0))
-    return jnp.clip(x32 / scale, -top, top).astype(fmt), scale
 
 
 def _grad_specs(spec: str) -> tuple[str, str]:
