@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from moelab.cli.common import err_console, out_console
-from moelab.cli.lab import show_outcomes
+from moelab.cli.lab import show_outcomes, verdict_sentence
 from moelab.cli.train import training_progress
 from moelab.errors import ConfigError
 from moelab.lab.demo import open_demo, run_demo
@@ -44,7 +44,7 @@ def demo(
     show_outcomes(exp_id, result.outcomes)  # exit 1 (or 75) unless every step succeeded
     from moelab.ladder.contract import trust_text
 
-    value = "no value" if result.value is None else f"{result.value:.4f}"
-    out_console.print(f"Hypothesis verdict: [bold]{result.verdict.upper()}[/] ({result.metric} = {value})")
+    out_console.print(verdict_sentence(result.verdict, result.metric, result.value, "Hypothesis verdict"),
+                      highlight=False)
     out_console.print(trust_text(result.trust), highlight=False)
     out_console.print(f"Report: {result.report}")

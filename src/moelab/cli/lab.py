@@ -167,9 +167,13 @@ def _verdict_and_trust(experiment) -> str | None:
         verdict, value, trust = experiment_verdict(experiment)
     except ConfigError:  # not run yet, or its directory is gone: the record above says which
         return None
+    return f"{verdict_sentence(verdict, experiment.spec.prediction.metric, value)}. {trust_text(trust)}"
+
+
+def verdict_sentence(verdict: str, metric: str, value: float | None, label: str = "Verdict") -> str:
+    """'Verdict: CONFIRMED (eval/mean = 1.8035)': the one form the demo and `lab show` print it in."""
     observed = "no value" if value is None else f"{value:.4f}"
-    return (f"Verdict: {verdict.upper()} ({experiment.spec.prediction.metric} = {observed}). "
-            + trust_text(trust))
+    return f"{label}: {verdict.upper()} ({metric} = {observed})"
 
 
 def _show_diff(book, exp_id: str, other: str, markdown: bool, json_out: bool) -> None:
