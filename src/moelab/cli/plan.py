@@ -77,7 +77,7 @@ def plan(
             raise ConfigError(f"--mfu is needed: no MFU has been measured on {device or 'a device given by --peak-flops'}; "
                               "give the fraction of the peak you expect, e.g. --mfu 0.35.")
         rate, source = (mfu, "given (--mfu)") if mfu is not None else measured
-    result = memory_plan.plan(cfg, limit, platform, links)
+    result = memory_plan.plan(cfg, limit, platform, links, advise_too=True)
     if timed:
         timing = run_length.estimate(cfg, result, peak_flops or chip.peak_flops, rate, source)
         timing["device"] = chip.name if chip and peak_flops is None else f"{peak_flops:g} FLOP/s (--peak-flops)"

@@ -1,6 +1,6 @@
 """How much memory one device needs for a config's train step, and what it moves per step (`moelab plan`).
 
-    plan = memory_plan.plan(presets.get("frontier-535b"), hbm=186e9)
+    plan = memory_plan.plan(presets.get("frontier-535b"), hbm=186e9, advise_too=True)
     plan.total, plan.fits, plan.largest, plan.advice    # advice: one-setting changes, re-planned
 
 Counted before launch, nothing allocated. The state terms are exact: every leaf of `init_state`'s
@@ -431,7 +431,7 @@ def advise(cfg: RunConfig, current: Plan, platform: str = "gpu", links: Links = 
             continue
         try:
             changed = override(cfg, {key: value})
-            total = plan(changed, current.hbm, platform, links, advise_too=False).total
+            total = plan(changed, current.hbm, platform, links).total
         except ConfigError:
             continue
         if total < 0.99 * current.total:
@@ -441,7 +441,7 @@ def advise(cfg: RunConfig, current: Plan, platform: str = "gpu", links: Links = 
 
 
 def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: Links = Links(),
-         advise_too: bool = True) -> Plan:
+         advise_too: bool = False) -> Plan:
     """The per-device memory of `cfg`'s train step on `cfg.mesh` and its communication per step.
 
     The state (parameters, moments) is live throughout; on top of it, the step's peak is the largest of
@@ -449,7 +449,8 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     backward (the gradient being written, the activations less the logits-sized ones, one block's working
     set) and the update (the gradient, Adam's update and float32 copies of the largest array's moments).
     The running gradient sum of `train.microbatches` > 1 and the gathered layer of `mesh.shard=full` are
-    live in both backward phases.
+    live in both backward phases. `advise_too` (what `moelab plan` asks) re-plans one-setting changes (`advise`)
+    when the step is tight or over `hbm`: six more plans, which a caller that reads only the total does not pay.
     """
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
     rows = _rows_per_microbatch(cfg)
