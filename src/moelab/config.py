@@ -300,6 +300,10 @@ class ModelConfig:
                and 0 <= self.dense_layers < self.num_layers, p + "dense_layers", self.dense_layers,
                f"must be an integer in [0, model.num_layers={self.num_layers}): at least one block is a MoE block")
         _check(isinstance(self.fp8, bool), p + "fp8", self.fp8, "must be true or false")
+        if self.fp8 and self.moe.dispatch == "grouped":  # refused on any machine, so a plan on a CPU says what a GPU would
+            raise ConfigError("model.fp8=true with model.moe.dispatch='grouped': the Pallas grouped GEMM has no FP8 "
+                              "path. Use --set model.moe.dispatch=capacity (or ep on several devices), or "
+                              "model.fp8=false.")
         if self.dense_ffn_dim is not None:
             _positive_int_or_null(p + "dense_ffn_dim", self.dense_ffn_dim, "the MoE block's active width")
         if self.qk_norm is not None:
@@ -504,7 +508,7 @@ class TrainConfig:
         _one_of(p + "moment_dtype", self.moment_dtype, DTYPES)
 
 
-SHARD_LAYOUTS = ("replicate", "optimizer", "full")  # what of the train state is split over the mesh (`parallel.mesh`)
+SHARD_LAYOUTS = ("replicate", "optimizer", "rack", "full")  # what of the train state is split over the mesh (`parallel.mesh`)
 
 
 @dataclass(frozen=True)
@@ -516,9 +520,12 @@ class MeshConfig:
     # Routed experts are always split over `expert`. The rest of the state:
     #   replicate: every non-expert parameter and its Adam moments on every device (no extra collectives);
     #   optimizer: Adam moments split over the whole mesh (ZeRO-1), the experts' over `replica` too;
-    #   full:      also the non-expert parameters (and so their gradients) split over `expert`, gathered
-    #              inside the step (FSDP across a rack), moments as in `optimizer`.
-    # replicate suits one device and small models; a model whose replicated state does not fit needs full.
+    #   rack:      the non-expert parameters, gradients and moments split over `expert`, whole on each rack
+    #              (HSDP): parameters gathered inside the rack where a layer reads them; the update is local,
+    #              so only the gradient crosses racks, once a step;
+    #   full:      parameters as `rack`, moments split over the whole mesh as in `optimizer` (their new
+    #              values all-gathered across racks once a step).
+    # replicate suits one device and small models; a model whose replicated state does not fit wants rack.
     shard: str = "replicate"
 
     def __post_init__(self) -> None:
@@ -637,6 +644,11 @@ class RunConfig:
                 "Pallas kernel cannot be split over devices (each would redo the whole layer). Use dispatch 'ep' "
                 "across devices, or 'grouped' with mesh.replica=1, mesh.expert=1."
             )
+        if moe.balancing == "exact" and self.mesh.num_devices > 1:
+            raise ConfigError(
+                f"model.moe.balancing='exact' sorts every token's selection margins on one device, but the mesh has "
+                f"{self.mesh.num_devices} devices and each routes its own tokens. Use balancing 'hist' (the same "
+                "quantile from one histogram summed over the devices), or a one-device mesh.")
         if self.mesh.expert > 1 and moe.dispatch != "ep":
             raise ConfigError(
                 f"model.moe.dispatch={moe.dispatch!r} cannot run with mesh.expert={self.mesh.expert}: experts "

@@ -30,7 +30,7 @@ from moelab.config import DataConfig, ModelConfig
 from moelab.data.sources import iter_documents
 from moelab.errors import DataError
 from moelab.model import transformer
-from moelab.model.dispatch import no_drops
+from moelab.model.moe import build_moe
 
 __all__ = ["DomainScore", "domain_documents", "token_stream", "windows", "make_token_losses", "make_token_scores",
            "evaluate_documents"]
@@ -75,7 +75,7 @@ def windows(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 def make_token_losses(cfg: ModelConfig) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """A jitted `losses(params, router_bias, tokens [B, S+1]) -> [B, S]`: each target's cross-entropy in nats,
     with the routed experts `dropless`."""
-    dispatch = no_drops(cfg.moe, cfg.fp8)
+    dispatch = build_moe(cfg, purpose="decode")
 
     def losses(params, router_bias, tokens):
         logits, _ = transformer.apply(params, tokens[:, :-1], cfg, router_bias, dispatch=dispatch)
@@ -90,7 +90,7 @@ def make_token_scores(cfg: ModelConfig, vocab_size: int) -> Callable[[Any, jax.A
     logits past the tokenizer's `vocab_size` masked out (a padded vocabulary must not win a greedy pick);
     the routed experts `dropless`. What task scoring needs: a continuation's loss and whether greedy
     decoding would write it."""
-    dispatch = no_drops(cfg.moe, cfg.fp8)
+    dispatch = build_moe(cfg, purpose="decode")
 
     def scores(params, router_bias, tokens):
         logits, _ = transformer.apply(params, tokens[:, :-1], cfg, router_bias, dispatch=dispatch)

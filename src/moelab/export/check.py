@@ -32,7 +32,7 @@ import numpy as np
 
 from moelab.errors import DataError
 from moelab.model import decode, transformer
-from moelab.model.dispatch import no_drops
+from moelab.model.moe import build_moe
 
 __all__ = ["TOLERANCE", "CHECK_BATCH", "CHECK_LEN", "GREEDY_PROMPT", "GREEDY_NEW_TOKENS", "check_export",
            "moelab_logits", "exported_params"]
@@ -61,7 +61,7 @@ def moelab_logits(run: Any, tokens: np.ndarray) -> np.ndarray:
     """moelab's float32 logits [B, S, V] of `tokens` [B, S] under the `dropless` dispatch (no token dropped)."""
     cfg = run.cfg.model
     logits, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), cfg, run.router_bias,
-                                  dispatch=no_drops(cfg.moe, cfg.fp8))
+                                  dispatch=build_moe(cfg, purpose="decode"))
     return np.asarray(logits)
 
 

@@ -212,7 +212,7 @@ def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name:
                "(never to weight them). Load it back with:\n\n```python\nfrom moelab.export.writer import "
                "load_export\ncfg, params, router_bias = load_export(\"THIS_FOLDER\")\n```\n\nand run "
                "`moelab.model.transformer.apply(params, tokens, cfg, router_bias, "
-               "dispatch=moelab.model.dispatch.no_drops(cfg.moe, cfg.fp8))`.\n")
+               "dispatch=moelab.model.moe.build_moe(cfg, purpose=\"decode\"))`.\n")
     return (f"# {run_name}\n\nA moelab Mixture-of-Experts model exported from the run `{run_name}` at step {step}.\n\n"
             f"Architecture: {shape}. Pre-norm blocks (RMSNorm), SwiGLU experts, untied embedding and head. Weights "
             f"in {dtype}" + (" (the router's float32)" if dtype != "float32" else "") + ".\n\n"

@@ -170,7 +170,7 @@ def center_bias(bias: jax.Array) -> jax.Array:
     return bias - jnp.mean(bias, axis=-1, keepdims=True)
 
 
-def switch_aux_loss(routing: Routing) -> jax.Array:
+def switch_aux_loss(routing: Routing, axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
     """The Switch Transformer load-balancing loss of one layer (Fedus et al. 2021, eq. 4), for top-k.
 
         loss = E * sum_j f_j P_j,   f_j = load_j / (T k),   P_j = mean_i p_ij,
@@ -179,12 +179,18 @@ def switch_aux_loss(routing: Routing) -> jax.Array:
     It is 1 at perfect balance and grows as load and probability mass pile onto the same experts.
     The gradient flows through P (f is a count). Multiply by a weight (1e-2 in Switch).
 
+    With `axis_name` (inside `shard_map`, the tokens split over those axes), f is the whole step's load and P this
+    device's mean: the loss is the mean over the devices of what each returns, so no score leaves a device.
+
     Returns:
         [] float32.
     """
     T, k = routing.expert_idx.shape
     E = routing.scores.shape[-1]
-    f = expert_load(routing.expert_idx, E) / (T * k)
+    load = expert_load(routing.expert_idx, E)
+    if axis_name is not None:
+        load = jax.lax.psum(load, axis_name)
+    f = load / jnp.sum(load)
     p = routing.scores / jnp.maximum(jnp.sum(routing.scores, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     return E * jnp.sum(f * jnp.mean(p, axis=0))
 
@@ -290,6 +296,8 @@ def _bias_target(scores, bias, expert_idx, estimator, num_bins, axis_name=None) 
     margins = selection_margins(scores, bias, expert_idx)
     k = expert_idx.shape[-1]
     if estimator == "exact":
+        if axis_name is not None:  # the config refuses it first (`RunConfig`)
+            raise ValueError("the exact quantile sorts every token's margins on one device; under a mesh use 'hist'.")
         return -fair_share_quantile_exact(margins, k)
     return -fair_share_quantile_hist(margins, k, num_bins, axis_name)
 
@@ -301,7 +309,8 @@ def _blend(bias: jax.Array, target: jax.Array, rate: float | None) -> jax.Array:
     return center_bias(bias + r * (target - bias))
 
 
-def rebalance_on_batch(x: jax.Array, w_router: jax.Array, bias: jax.Array, cfg: MoEConfig) -> jax.Array:
+def rebalance_on_batch(x: jax.Array, w_router: jax.Array, bias: jax.Array, cfg: MoEConfig,
+                       axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
     """The bias that balances *this* batch: `cfg.rebalance_iterations` quantile steps on its own scores.
 
     Why: at initialization a sequence's tokens share most of their direction (attention's output is
@@ -318,6 +327,7 @@ def rebalance_on_batch(x: jax.Array, w_router: jax.Array, bias: jax.Array, cfg: 
         w_router: [D, E] router weights.
         bias: [E] the carried bias, the first iterate.
         cfg: the MoE config; its rule must be quantile balancing (`exact` or `hist`).
+        axis_name: the axes the tokens are split over inside `shard_map` (`hist` only), as in `quantile_balancing`.
 
     Returns:
         [E] float32, mean zero, gradient-free.
@@ -327,7 +337,7 @@ def rebalance_on_batch(x: jax.Array, w_router: jax.Array, bias: jax.Array, cfg: 
     k = cfg.num_experts_per_token
     for _ in range(cfg.rebalance_iterations):
         _, expert_idx = jax.lax.top_k(scores + bias, k)
-        target = _bias_target(scores, bias, expert_idx, cfg.balancing, cfg.hist_bins)
+        target = _bias_target(scores, bias, expert_idx, cfg.balancing, cfg.hist_bins, axis_name)
         bias = _blend(bias, target, cfg.balance_rate)
     return bias
 
@@ -348,11 +358,11 @@ def sign_balancing(gamma: float = 1e-3) -> Balancer:
     return Balancer(_measure_nothing, update)
 
 
-def aux_loss_balancing(weight: float = 1e-2) -> Balancer:
+def aux_loss_balancing(weight: float = 1e-2, axis_name: str | tuple[str, ...] | None = None) -> Balancer:
     """No bias; each layer adds `weight * switch_aux_loss` to the training loss (`balance_loss`)."""
 
     def measure(routing: Routing, bias: jax.Array) -> dict[str, jax.Array]:
-        return {"balance_loss": weight * switch_aux_loss(routing)}
+        return {"balance_loss": weight * switch_aux_loss(routing, axis_name)}
 
     return Balancer(measure, lambda bias, aux: bias)
 
@@ -364,7 +374,7 @@ def balancer(cfg: MoEConfig, axis_name: str | tuple[str, ...] | None = None) -> 
     if cfg.balancing == "sign":
         return sign_balancing(cfg.sign_gamma)
     if cfg.balancing == "aux":
-        return aux_loss_balancing(cfg.aux_loss_weight)
+        return aux_loss_balancing(cfg.aux_loss_weight, axis_name)
     return no_balancing()
 
 

@@ -36,8 +36,8 @@ import numpy as np
 from moelab.config import ModelConfig
 from moelab.errors import DataError
 from moelab.model import transformer
-from moelab.model.dispatch import no_drops, single_device
 from moelab.model.layers import rms_norm
+from moelab.model.moe import build_moe
 
 __all__ = ["sample_prompts", "make_greedy_decode", "generate_samples", "PROMPT_TOKENS", "CONTINUATION_TOKENS",
            "EOS_MARK", "KVCache", "Sampling", "Sampler", "init_cache", "apply_cached", "sample_token", "make_sampler",
@@ -60,12 +60,10 @@ def make_greedy_decode(cfg: ModelConfig, prompt_len: int, vocab_size: int, compu
 
     Each new token is the argmax over the first `vocab_size` logits (the tokenizer's ids; a padded
     model vocabulary has ids no tokenizer decodes) at the last filled position of a [N, seq_len] buffer.
-    Positions past it hold 0s, which causal attention never lets the filled ones see. The `ep` dispatch
-    needs a mesh-bound backend, so samples route with `capacity`, the same routing without the mesh.
+    Positions past it hold 0s, which causal attention never lets the filled ones see. The routed experts run
+    as every decode does (`build_moe`'s `decode`: one device, no token dropped), whatever the training dispatch.
     """
-    if cfg.moe.dispatch == "ep":
-        cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="capacity"))
-    dispatch = single_device(cfg.moe, cfg.fp8)
+    dispatch = build_moe(cfg, purpose="decode")
     seq_len = cfg.seq_len
     num_new = max(0, min(CONTINUATION_TOKENS, seq_len - prompt_len))
     valid = jnp.arange(cfg.vocab_size) < vocab_size
@@ -180,7 +178,7 @@ def apply_cached(params, tokens: jax.Array, cfg: ModelConfig, router_bias: jax.A
         logits [B, T, V] float32 and the cache grown by T.
     """
     start = cache.length
-    dense, routed = transformer.mlps(cfg, compute_dtype, no_drops(cfg.moe, cfg.fp8))
+    dense, routed = transformer.mlps(cfg, compute_dtype, build_moe(cfg, purpose="decode"))
 
     def block(mlp, x, layer_bias_kv):
         layer, bias, k_cache, v_cache = layer_bias_kv

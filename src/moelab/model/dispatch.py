@@ -18,19 +18,14 @@ Every backend computes the same function (architecture §3):
 Rows move with `moelab.model.rows.take_rows`, a gather whose gradient is also a gather (each map is
 injective with a known inverse), so no backward pass pays for a float scatter-add.
 
-`moelab.parallel.ep.make_dispatch(cfg, mesh)` is the one entry point that builds the callable
-`moelab.model.moe.apply` runs for training, `dispatch(h, routing, experts) -> (out, stats)`, for any
-backend: the expert-parallel one needs a mesh, so it lives a layer up. `single_device(cfg)` here binds
-a single-device backend's settings (capacity_factor); `no_drops(cfg)` is "this config, no token
-dropped", what decoding and evaluation run. The model itself never picks a dispatch.
+The expert-parallel backend, `ep`, is the per-device exchange of `moelab.model.exchange`. Which backend runs,
+with which capacity, is one frozen value built once for its purpose, `moelab.model.moe.build_moe`; the
+model itself never picks a dispatch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +38,8 @@ from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "EXPERT_MATMUL", "Dispatch", "single_device", "dense", "capacity", "dropless", "grouped",
-           "no_drops", "expert_capacity", "grouped_swiglu", "swiglu_buffers", "bind", "check_fp8"]
+__all__ = ["BACKENDS", "EXPERT_MATMUL", "dense", "capacity", "dropless", "grouped", "expert_capacity", "grouped_swiglu",
+           "swiglu_buffers", "check_fp8"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
 
@@ -54,8 +49,6 @@ EXPERT_MATMUL = "expert_matmul"
 
 Experts = dict[str, jax.Array]  # w_gate [E, Din, F], w_up [E, Din, F], w_down [E, F, Din]
 Stats = dict[str, jax.Array]  # load [E], dropped [], assignments []
-# A backend with its settings bound: (h [T, Din], routing, experts) -> (out [T, Din], stats).
-Dispatch = Callable[[jax.Array, Routing, Experts], tuple[jax.Array, Stats]]
 
 
 def _stats(routing: Routing, num_experts: int, dropped: jax.Array) -> Stats:
@@ -297,62 +290,12 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 
-def bind(backend: Callable, fp8: bool = False, **settings) -> Dispatch:
-    """`backend` with its settings and `fp8` bound, as `moe.apply` calls it; `.fp8` says which (`moe.apply` checks
-    it against `model.fp8`, so a dispatch built without it cannot run an FP8 model's experts in bf16)."""
-    bound = functools.partial(backend, fp8=fp8, **settings)
-    bound.fp8 = fp8
-    return bound
-
-
 def check_fp8(cfg: MoEConfig, fp8: bool) -> None:
     """Refuse, before anything compiles, an FP8 run a GPU cannot run as FP8: a device before compute capability 8.9
-    (no FP8 tensor cores) or the `grouped` backend (its Pallas kernel has no FP8 path). CPUs emulate it."""
+    (no FP8 tensor cores). CPUs emulate it; `grouped` with FP8 the config refuses on any machine."""
     if not fp8 or jax.default_backend() != "gpu":
         return
     capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
     if tuple(int(p) for p in capability.split(".")[:2] if p.isdigit()) < (8, 9):
         raise ConfigError(f"model.fp8=true needs FP8 tensor cores (compute capability 8.9: Ada, Hopper or later); "
                           f"this GPU has {capability}. Set model.fp8=false.")
-    if cfg.dispatch == "grouped":
-        raise ConfigError("model.fp8=true with model.moe.dispatch='grouped': the Pallas grouped GEMM has no FP8 path "
-                          "yet. Use --set model.moe.dispatch=capacity (or ep on several devices), or model.fp8=false.")
-
-
-def single_device(cfg: MoEConfig, fp8: bool = False) -> Dispatch:
-    """`cfg.dispatch`'s single-device backend with its settings bound: `dispatch(h, routing, experts)`.
-
-    `fp8`: `model.fp8`, the expert GEMMs in FP8 (`check_fp8` refuses what a GPU cannot run).
-
-    Raises:
-        ValueError: `cfg.dispatch` is not one of `BACKENDS` (`ep` needs a mesh).
-        ConfigError: `dropless` on a GPU, naming `grouped`, its fast path there.
-    """
-    if cfg.dispatch == "dropless" and jax.default_backend() == "gpu":
-        raise ConfigError(
-            "model.moe.dispatch='dropless' does not run on a GPU: XLA lowers jax.lax.ragged_dot there to a dense "
-            "fallback, which asked for 112.5 GiB at 16,384 tokens on an H200 (2026-12-04). Use "
-            "--set model.moe.dispatch=grouped: the same dropless function through moelab's Pallas grouped GEMM.")
-    check_fp8(cfg, fp8)
-    if cfg.dispatch == "capacity":
-        return bind(capacity, fp8, capacity_factor=cfg.capacity_factor)
-    backends = {"dense": dense, "dropless": dropless, "grouped": grouped}
-    if cfg.dispatch not in backends:
-        raise ValueError(
-            f"model.moe.dispatch={cfg.dispatch!r} is not a single-device backend: build it for a mesh with "
-            f"moelab.parallel.ep.make_dispatch(cfg, mesh) and pass it as dispatch=..., or use one of {', '.join(BACKENDS)}."
-        )
-    return bind(backends[cfg.dispatch], fp8)
-
-
-def no_drops(cfg: MoEConfig, fp8: bool = False) -> Dispatch:
-    """`cfg`'s routed experts with no token dropped, on one device: what decoding and evaluation run, whatever
-    the training dispatch (a capacity sized for a training batch would drop tokens of a short prompt, and
-    `ep` needs a mesh). `dropless` here; `grouped`, the same function, on a GPU, where `dropless` does not run
-    (and `capacity` with room for every token under `fp8`, which `grouped` has no kernel for).
-    """
-    if fp8 and jax.default_backend() == "gpu":  # C = T: an expert can take every token, so none drops
-        room = cfg.num_experts / cfg.num_experts_per_token
-        return single_device(dataclasses.replace(cfg, dispatch="capacity", capacity_factor=room), fp8)
-    backend = "grouped" if jax.default_backend() == "gpu" else "dropless"
-    return single_device(dataclasses.replace(cfg, dispatch=backend), fp8)

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from moelab.config import ModelConfig
 from moelab.model import fp8 as fp8_lib
 from moelab.model import moe
-from moelab.model.dispatch import EXPERT_MATMUL, Dispatch
+from moelab.model.dispatch import EXPERT_MATMUL
+from moelab.model.moe import Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
 
 __all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "qk_norm", "causal_attention",
@@ -32,8 +33,8 @@ __all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", 
 
 # {"embed", "layers": {...stacked [L - Ld, ...]}, "final_norm", "lm_head"}, and "dense_layers" [Ld, ...] when Ld > 0
 Params = dict
-# Lays out one layer's params for use, inside the scan body (`moelab.parallel.mesh.gather_for_use`: a split
-# parameter gathered here, where its layer runs, instead of the partitioner moving activations to it).
+# Lays out one layer's params for use, inside the scan body (`moelab.parallel.spmd.layer_gather`: a parameter
+# split over the rack is all-gathered here, where its layer runs, one layer at a time).
 Gather = Callable[[dict], dict]
 
 
@@ -319,8 +320,8 @@ def apply(
         cfg: the model config.
         router_bias: [L, E] (L = `cfg.num_moe_layers`) from `init_router_bias` or a balancing rule.
         compute_dtype: jnp.float32 or jnp.bfloat16, for the matmuls only.
-        dispatch: the routed experts' backend (`moe.apply`): `moelab.parallel.ep.make_dispatch(cfg.moe, mesh)`
-            for training, `moelab.model.dispatch.no_drops(cfg.moe)` for decoding and evaluation. The model
+        dispatch: how the routed experts run (`moe.build_moe(cfg, mesh, purpose)`: training, evaluation or
+            decoding; under a mesh, per device inside the step's `shard_map`). The model
             never picks one behind its caller's back.
         gather: applied to each layer's params where the layer runs (`Gather`); None under layouts
             that keep the non-expert params whole.

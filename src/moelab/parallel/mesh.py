@@ -10,14 +10,15 @@ Layout (architecture §3): data parallel across `replica` groups (racks), expert
   over `expert` on their expert axis;
 - the rest of the state (attention, router, norms, shared experts, embeddings) by `mesh.shard`:
   `replicate` keeps it on every device; `optimizer` splits every Adam moment over the whole mesh
-  (ZeRO-1; the experts' moments over `replica` as well); `full` also splits the non-expert parameters
-  over `expert` (FSDP inside a rack). A split array is cut along its largest dimension that the
+  (ZeRO-1; the experts' moments over `replica` as well); `rack` splits the non-expert parameters and
+  every moment over `expert` only, whole on each rack (HSDP: the update is local, nothing but the
+  gradient crosses racks); `full` splits the parameters as `rack` and the moments as `optimizer`. A split array is cut along its largest dimension that the
   axis divides (never a stacked layer axis, which `scan` walks); one that no dimension fits stays
   whole. The router bias, its load average and the step are always replicated.
 
-Nothing in the model names these layouts: jit's partitioner (GSPMD, Auto axes below) gathers a split
-parameter where a matmul needs it and reduce-scatters its gradient, the same program with other
-collectives. `moelab plan` counts what each layout holds per device and moves per step.
+Nothing in the model names these layouts: the step's per-device program (`moelab.parallel.spmd`) gathers a
+parameter split over the rack where a layer reads it, and the optimizer's update runs under jit on the
+state as laid out. `moelab plan` counts what each layout holds per device and moves per step.
 
 Axis-type convention (architecture §6): the mesh's axes are `AxisType.Auto`, and every array that
 crosses a jit boundary is placed with a `NamedSharding` first (`state_shardings`, `place_batch`).
@@ -60,7 +61,6 @@ __all__ = [
     "param_spec",
     "leaf_spec",
     "state_shardings",
-    "gather_for_use",
     "batch_sharding",
     "place_batch",
 ]
@@ -189,8 +189,9 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
 
     Routed experts follow `param_spec` in every layout. Under `optimizer` and `full`, optimizer
     moments are split over the whole mesh ("replica" and "expert" on one dimension when it divides,
-    else "expert"); an expert's moments add "replica" on one of their own dimensions. Under `full`,
-    non-expert parameters are split over "expert". Leaves under a stacked key (`STACKED`) never split their
+    else "expert"); an expert's moments add "replica" on one of their own dimensions. Under `rack` and
+    `full`, non-expert parameters are split over "expert"; under `rack` their moments too, and no moment
+    over "replica". Leaves under a stacked key (`STACKED`) never split their
     leading layer axis. `axes` is the mesh's axis sizes (`mesh.shape`), so a planner can ask without devices.
     """
     base = param_spec(path, leaf)
@@ -199,19 +200,20 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
     if layout == "replicate" or names & set(REPLICATED_STATE) or len(shape) == 0:
         return base
     moment = bool(names & set(MOMENTS))
-    if not moment and layout != "full":
+    if not moment and layout not in ("full", "rack"):
         return base
     keys = {k.key for k in path if isinstance(k, jax.tree_util.DictKey)}
     spec = list(base) + [None] * (len(shape) - len(base))
     stacked = bool(keys & set(STACKED))
     taken = {d for d, axis in enumerate(spec) if axis is not None} | ({0} if stacked else set())
     replica, expert = axes["replica"], axes["expert"]
+    across_racks = moment and replica > 1 and layout != "rack"
     if "expert" in spec:  # a routed expert's array: already over "expert"; its moments go over "replica" too
-        dim = _split_dim(shape, replica, taken) if moment and replica > 1 else None
+        dim = _split_dim(shape, replica, taken) if across_racks else None
         if dim is not None:
             spec[dim] = "replica"
         return P(*spec)
-    if moment and replica > 1:
+    if across_racks:
         dim = _split_dim(shape, replica * expert, taken)
         if dim is not None:
             spec[dim] = ("replica", "expert")
@@ -226,19 +228,6 @@ def state_shardings(tree: Any, mesh: Mesh, layout: str = "replicate") -> Any:
     """A `NamedSharding` for every leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s) by `leaf_spec`."""
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: NamedSharding(mesh, leaf_spec(path, leaf, mesh.shape, layout)), tree)
-
-
-def gather_for_use(mesh: Mesh) -> Callable[[Any], Any]:
-    """A `transformer.Gather` for the `full` layout: one layer's params laid out as `param_spec` says
-    (the experts still split, the rest whole) where the layer runs.
-
-    Without it the partitioner is free to keep a weight split and move the activations instead: on the
-    frontier preset it all-gathered every device's tokens ([64 x 4096, 6144] float32, 6 GB) to meet a
-    split weight. Gathering the weight moves one layer's parameters, the same bytes whatever the batch.
-    """
-    def gather(layer: Any) -> Any:
-        return jax.lax.with_sharding_constraint(layer, state_shardings(layer, mesh))  # "replicate": by param_spec
-    return gather
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

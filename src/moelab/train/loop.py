@@ -45,8 +45,8 @@ from moelab.config import RunConfig, changed_fields, load_yaml, override, to_dic
 from moelab.errors import ConfigError, Preempted, SaveFailed
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import balancing, decode, router, transformer
-from moelab.model.dispatch import Dispatch
-from moelab.parallel import ep
+from moelab.model.moe import Dispatch, build_moe
+from moelab.parallel import spmd
 from moelab.parallel import mesh as mesh_lib
 from moelab.train import outputs
 from moelab.train.checkpoint import Checkpointer
@@ -56,19 +56,32 @@ from moelab.train.schedule import learning_rate
 from moelab.train.state import (TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings,
                                 weights_sha256)
 
-__all__ = ["Hooks", "Watcher", "Preempted", "accumulate_gradients", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
+__all__ = ["Hooks", "Watcher", "Preempted", "accumulate_gradients", "loss_and_grad", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
            "config_changes", "check_resumable", "run_platform", "train"]
 
-def _dispatch(cfg: RunConfig, mesh: Mesh | None) -> Dispatch:
-    """`cfg.model.moe.dispatch`'s backend; `ep` runs on `mesh`, or on one built from `cfg.mesh` if None."""
+def _mesh(cfg: RunConfig, mesh: Mesh | None) -> Mesh | None:
+    """`mesh`, or for `ep` (whose experts live on a mesh) one built from `cfg.mesh` when None."""
     if mesh is None and cfg.model.moe.dispatch == "ep":
-        mesh = mesh_lib.make_mesh(cfg.mesh)
-    return ep.make_dispatch(cfg.model.moe, mesh, fp8=cfg.model.fp8)
+        return mesh_lib.make_mesh(cfg.mesh)
+    return mesh
 
 
-def _gather(cfg: RunConfig, mesh: Mesh | None) -> transformer.Gather | None:
-    """Under `mesh.shard: full`, each layer's split params are gathered where the layer runs."""
-    return mesh_lib.gather_for_use(mesh) if mesh is not None and cfg.mesh.shard == "full" else None
+def _per_device_loss(cfg: RunConfig, mesh: Mesh, dispatch: Dispatch) -> tuple[Callable, Any]:
+    """`loss(params, rows, (router_bias, rebalance)) -> (loss, aux)` of one device's rows inside the step's
+    `shard_map`, parameters split over the rack gathered where they are read; and the params' specs."""
+    specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings(cfg, mesh).params)
+    experts_local = dispatch.backend == "ep"
+    gather = spmd.layer_gather(specs, experts_local)
+    dtype = compute_dtype(cfg)
+
+    def loss(params, rows, shared):
+        router_bias, rebalance = shared
+        top = {k: v for k, v in params.items() if k not in mesh_lib.STACKED}
+        params = {**params, **spmd.gather_split(top, specs, experts_local)}
+        return transformer.loss(params, rows, cfg.model, router_bias, dtype, dispatch=dispatch, gather=gather,
+                                rebalance=rebalance if cfg.model.moe.rebalance_steps else False)
+
+    return loss, specs
 
 
 # Per-step router statistics that count (summed over microbatches); every other aux value is a mean or a
@@ -76,14 +89,14 @@ def _gather(cfg: RunConfig, mesh: Mesh | None) -> transformer.Gather | None:
 SUMMED_AUX = ("expert_load", "dropped", "assignments")
 
 
-def accumulate_gradients(loss_fn: Callable, params: Any, tokens: jax.Array, microbatches: int,
-                         mesh: Mesh | None = None, grad_shardings: Any = None) -> tuple[tuple[jax.Array, dict], Any]:
+def accumulate_gradients(loss_fn: Callable, params: Any, tokens: jax.Array, microbatches: int
+                         ) -> tuple[tuple[jax.Array, dict], Any]:
     """`jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)`, over `microbatches` slices of the batch.
 
-    The slices run one after another under `lax.scan` (activations of one slice live at a time) and the
-    float32 gradient sum stays in `grad_shardings` (a split layout's gradients are reduce-scattered as
-    they are produced). Microbatch m holds rows m, m + M, ...: each device's rows are its own in every
-    slice. Equal slices make the mean of their losses and gradients the batch's to float32 rounding, as
+    The slices run one after another under `lax.scan` (activations of one slice live at a time), with one
+    float32 gradient sum. On a mesh it runs per device on the device's rows (`moelab.parallel.spmd`), so the
+    sum is each device's own until the step reduces it once. Microbatch m holds rows m, m + M, ...: on a mesh
+    the same global rows as on one device, since each device's block of rows is a multiple of M long. Equal slices make the mean of their losses and gradients the batch's to float32 rounding, as
     long as the dispatch drops nothing (a capacity is set per call, so a slice's drops may differ).
     The router statistics are combined for the whole step (`SUMMED_AUX` summed, the rest averaged);
     under quantile balancing the bias target is the mean of the slices' targets.
@@ -93,22 +106,40 @@ def accumulate_gradients(loss_fn: Callable, params: Any, tokens: jax.Array, micr
         return value_and_grad(params, tokens)
     B = tokens.shape[0]
     slices = tokens.reshape(B // microbatches, microbatches, *tokens.shape[1:]).swapaxes(0, 1)  # [M, B/M, S+1]
-    if mesh is not None:
-        slices = jax.lax.with_sharding_constraint(slices, NamedSharding(mesh, PartitionSpec(None, mesh_lib.BATCH_AXES)))
-
-    def keep_layout(grads):
-        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     def one(total, rows):
         (loss, aux), grads = value_and_grad(params, rows)
         aux = {k: v for k, v in aux.items() if k != "ce_per_row"}
-        return keep_layout(jax.tree.map(jnp.add, total, grads)), (loss, aux)
+        return jax.tree.map(jnp.add, total, grads), (loss, aux)
 
-    zeros = keep_layout(jax.tree.map(jnp.zeros_like, params))
+    zeros = jax.tree.map(jnp.zeros_like, params)
     total, (losses, auxes) = jax.lax.scan(one, zeros, slices)
     grads = jax.tree.map(lambda g: g / microbatches, total)
     aux = {k: jnp.sum(v, axis=0) if k in SUMMED_AUX else jnp.mean(v, axis=0) for k, v in auxes.items()}
     return (jnp.mean(losses), aux), grads
+
+
+def loss_and_grad(cfg: RunConfig, mesh: Mesh | None = None) -> Callable:
+    """`(params, tokens [B, S+1], (router_bias, rebalance)) -> ((loss, aux), grads)` of one step (not jitted).
+
+    On a mesh (or for `ep`) it runs per device (`moelab.parallel.spmd`): each device routes its own tokens, and
+    the gradient is summed over the mesh once, after the microbatches, laid out as the params. Elsewhere it is
+    the plain program on one device. Both are the same function of the batch (tests/test_parallel.py).
+    """
+    mesh = _mesh(cfg, mesh)
+    dispatch = build_moe(cfg.model, mesh, "train")
+    if dispatch.token_axes:
+        loss_fn, specs = _per_device_loss(cfg, mesh, dispatch)
+        return spmd.per_device_value_and_grad(loss_fn, mesh, specs, cfg.train.microbatches, accumulate_gradients)
+    dtype = compute_dtype(cfg)
+
+    def value_and_grad(params, tokens, shared):
+        def loss_fn(params, rows):
+            return transformer.loss(params, rows, cfg.model, shared[0], dtype, dispatch=dispatch,
+                                    rebalance=shared[1] if cfg.model.moe.rebalance_steps else False)
+        return accumulate_gradients(loss_fn, params, tokens, cfg.train.microbatches)
+
+    return value_and_grad
 
 
 def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
@@ -120,28 +151,21 @@ def make_train_step(cfg: RunConfig, mesh: Mesh | None = None
     params and optimizer state, decided on device so no host sync is needed. With a `mesh`, the new
     state keeps the shardings of `state_shardings` (experts over "expert", the rest by `mesh.shard`).
     With `train.microbatches` > 1 the gradients are accumulated over slices of the batch
-    (`accumulate_gradients`); the balancer, the monitor and the metrics see the whole step.
+    (`accumulate_gradients`); the balancer, the monitor and the metrics see the whole step. On a mesh the loss
+    and its gradient run per device (`moelab.parallel.spmd`): each device routes its own tokens, and the
+    gradient is summed over the mesh once a step; the optimizer then updates each shard where it lives.
     """
     tx = make_optimizer(cfg.train)
     schedule = learning_rate(cfg.train)
-    dtype = compute_dtype(cfg)
     balancer = balancing.balancer(cfg.model.moe)
-    dispatch = _dispatch(cfg, mesh)
-
-    gather = _gather(cfg, mesh)
+    mesh = _mesh(cfg, mesh)
     shardings = None if mesh is None else state_shardings(cfg, mesh)
-    grad_shardings = None if shardings is None else shardings.params
+    value_and_grad = loss_and_grad(cfg, mesh)
 
     def step(state: TrainState, tokens: jax.Array, loss_ceiling: jax.Array = jnp.inf) -> tuple[TrainState, dict]:
         # The first steps route under the bias solved on their own batch (`balancing.rebalance_on_batch`).
-        rebalance = state.step < cfg.model.moe.rebalance_steps if cfg.model.moe.rebalance_steps else False
-
-        def loss_fn(params, rows):
-            return transformer.loss(params, rows, cfg.model, state.router_bias, dtype, dispatch=dispatch, gather=gather,
-                                    rebalance=rebalance)
-
-        (loss, aux), grads = accumulate_gradients(loss_fn, state.params, tokens, cfg.train.microbatches,
-                                                  mesh, grad_shardings)
+        rebalance = state.step < cfg.model.moe.rebalance_steps
+        (loss, aux), grads = value_and_grad(state.params, tokens, (state.router_bias, rebalance))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skipped = jnp.logical_and(cfg.monitor.skip_spikes, loss > loss_ceiling)
@@ -178,16 +202,26 @@ def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, j
     """A jitted `eval(params, router_bias, tokens) -> mean CE per row [B]`.
 
     Under `model.moe.rebalance_steps` > 0 every eval batch routes under the bias solved on itself, as the
-    rebalanced train steps do: an eval measures the model, not how far the carried bias lags its batch.
+    rebalanced train steps do: an eval measures the model, not how far the carried bias lags its batch. The
+    routed experts run as in training, at the training capacity (`build_moe`'s `eval`): `eval/mean` is the model
+    as it trains, and a run's summary says so (`moe_drops`).
     """
     dtype = compute_dtype(cfg)
-    dispatch, gather = _dispatch(cfg, mesh), _gather(cfg, mesh)
+    mesh = _mesh(cfg, mesh)
+    dispatch = build_moe(cfg.model, mesh, "eval")
     rebalance = cfg.model.moe.rebalance_steps > 0
+    if dispatch.token_axes:
+        loss_fn, specs = _per_device_loss(cfg, mesh, dispatch)
+        per_device = spmd.per_device_apply(
+            lambda p, bias, rows: (loss_fn(p, rows, (bias, jnp.bool_(rebalance)))[1]["ce_per_row"], {}), mesh, specs)
 
-    def eval_step(params, router_bias, tokens):
-        _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch, gather=gather,
-                                  rebalance=rebalance)
-        return aux["ce_per_row"]
+        def eval_step(params, router_bias, tokens):
+            return per_device(params, router_bias, tokens)[0]
+    else:
+        def eval_step(params, router_bias, tokens):
+            _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch,
+                                      rebalance=rebalance)
+            return aux["ce_per_row"]
 
     # Replicated, so every process can read it into numpy on a multi-host mesh.
     return jax.jit(eval_step, out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()))

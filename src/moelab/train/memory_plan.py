@@ -46,7 +46,7 @@ import numpy as np
 from moelab.config import RunConfig, from_dict, override, to_dict
 from moelab.errors import ConfigError
 from moelab.model import grouped_matmul, transformer
-from moelab.model.dispatch import single_device
+from moelab.model.moe import build_moe
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.state import init_state
@@ -298,10 +298,10 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
                               experts_split=cfg.mesh.expert)
 
     def block(p, t, m, b):
-        return transformer.apply(p, t, m, b, dtype, dispatch=single_device(m.moe, m.fp8))[0].sum()
+        return transformer.apply(p, t, m, b, dtype, dispatch=build_moe(m))[0].sum()
 
     saved = residuals(model, model.seq_len + 1,
-                      lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=single_device(m.moe, m.fp8))[0])
+                      lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=build_moe(m))[0])
     one = replace(model, num_layers=1, dense_layers=0, remat="none")
     recomputed = 0
     if model.remat != "none":

@@ -3,7 +3,7 @@ run's config and its tokenizer (what `moelab generate`, `eval` and `export` read
 
     run = load_run("runs/tiny")            # DataError naming the folder and the fix if it cannot
     logits, _ = transformer.apply(run.params, tokens, run.cfg.model, run.router_bias,
-                                  dispatch=no_drops(run.cfg.model.moe, run.cfg.model.fp8))  # moelab.model.dispatch
+                                  dispatch=build_moe(run.cfg.model, purpose="decode"))  # moelab.model.moe
 
 The checkpoint is restored onto one device whatever mesh trained it (inference on a laptop of a run
 trained expert-parallel). The tokenizer is, in order: the byte tokenizer (`data.tokenizer: byte`),
