@@ -148,8 +148,34 @@ def fair_share_quantile_hist(
     bins = jnp.clip(jnp.floor((margins - lo) / width).astype(jnp.int32), 0, num_bins - 1)  # [T, E]
     flat = bins + num_bins * jnp.arange(num_experts, dtype=jnp.int32)
     counts = jnp.bincount(flat.reshape(-1), length=num_experts * num_bins).reshape(num_experts, num_bins)
+    rack = _rack_axis(axis_name, num_experts)
+    if rack is not None:
+        # Over a rack-major mesh, in two steps: reduce-scattered by expert over the rack (the last axis, the fast
+        # links), summed over the others in 1/X slices, each device estimating its own experts, then gathered back:
+        # what crosses racks is 1/X of the histogram.
+        part = jax.lax.psum_scatter(counts, rack, scatter_dimension=0, tiled=True)
+        part = jax.lax.psum(part, tuple(a for a in axis_name if a != rack))
+        mine = jax.lax.axis_index(rack) * part.shape[0] + jnp.arange(part.shape[0])
+        estimate = _quantile_from_counts(part, k, num_experts, lo[mine], hi[mine], width[mine])
+        return jax.lax.all_gather(estimate, rack, axis=0, tiled=True, to="invarying")
     if axis_name is not None:
         counts = jax.lax.psum(counts, axis_name)
+    return _quantile_from_counts(counts, k, num_experts, lo, hi, width)
+
+
+def _rack_axis(axis_name: str | tuple[str, ...] | None, num_experts: int) -> str | None:
+    """The axis to reduce-scatter a histogram over first: the last of several (the mesh's rack axis, `expert`), when
+    it has more than one device and splits the experts evenly; None to sum it in one step."""
+    if not isinstance(axis_name, tuple) or len(axis_name) < 2:
+        return None
+    size = jax.lax.axis_size(axis_name[-1])
+    return axis_name[-1] if size > 1 and num_experts % size == 0 else None
+
+
+def _quantile_from_counts(counts: jax.Array, k: int, num_experts: int, lo: jax.Array, hi: jax.Array,
+                          width: jax.Array) -> jax.Array:
+    """`fair_share_quantile_hist`'s estimate for the experts whose summed histograms are `counts` [e, B]."""
+    num_bins = counts.shape[1]
     # Counts stay int32 until here (exact under psum: at most the global token count per bin).
     at_or_above = jnp.cumsum(counts[:, ::-1], axis=-1)[:, ::-1].astype(jnp.float32)  # [E, B]: in bin b or higher
     q = at_or_above[:, 0] * (k / num_experts)  # [E]: m k / E

@@ -33,6 +33,10 @@ __all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", 
 
 # {"embed", "layers": {...stacked [L - Ld, ...]}, "final_norm", "lm_head"}, and "dense_layers" [Ld, ...] when Ld > 0
 Params = dict
+# The weights the model reads only through a cast to the compute dtype (every projection's matrix): a copy in that
+# dtype computes the same. The router, the norms' gains and the embedding are read in float32.
+READ_IN_COMPUTE_DTYPE = frozenset({"w_q", "w_k", "w_v", "w_o", "w_latent_down", "w_latent_up", "w_shared_gate",
+                                   "w_shared_up", "w_shared_down", "w_mlp_gate", "w_mlp_up", "w_mlp_down", "lm_head"})
 # Lays out one layer's params for use, inside the scan body (`moelab.parallel.spmd.layer_gather`: a parameter
 # split over the rack is all-gathered here, where its layer runs, one layer at a time).
 Gather = Callable[[dict], dict]

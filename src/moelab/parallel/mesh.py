@@ -188,8 +188,10 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
     """Where one leaf of the train state (or of a params tree) lives under `layout` (`mesh.shard`).
 
     Routed experts follow `param_spec` in every layout. Under `optimizer` and `full`, optimizer
-    moments are split over the whole mesh ("replica" and "expert" on one dimension when it divides,
-    else "expert"); an expert's moments add "replica" on one of their own dimensions. Under `rack` and
+    moments are split over the whole mesh: under `optimizer` ("replica" and "expert" on one dimension when
+    it divides, else "expert"), under `full` inside the device's own parameter shard (the parameter's
+    dimension split expert-major, else "replica" on another); an expert's moments add "replica" on one of
+    their own dimensions. Under `rack` and
     `full`, non-expert parameters are split over "expert"; under `rack` their moments too, and no moment
     over "replica". Leaves under a stacked key (`STACKED`) never split their
     leading layer axis. `axes` is the mesh's axis sizes (`mesh.shape`), so a planner can ask without devices.
@@ -213,7 +215,7 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
         if dim is not None:
             spec[dim] = "replica"
         return P(*spec)
-    if across_racks:
+    if across_racks and layout == "optimizer":
         dim = _split_dim(shape, replica * expert, taken)
         if dim is not None:
             spec[dim] = ("replica", "expert")
@@ -221,6 +223,15 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
     dim = _split_dim(shape, expert, taken) if expert > 1 else None
     if dim is not None:
         spec[dim] = "expert"
+    if across_racks and layout == "full":
+        # The moments within the device's own parameter shard (expert-major), so each device updates a slice of what
+        # it holds and only the new values cross racks: on the parameter's dimension when it divides, else another.
+        if dim is not None and shape[dim] % (expert * replica) == 0:
+            spec[dim] = ("expert", "replica")
+        else:
+            other = _split_dim(shape, replica, taken | ({dim} if dim is not None else set()))
+            if other is not None:
+                spec[other] = "replica"
     return P(*spec)
 
 

@@ -23,6 +23,7 @@ the devices' gradients over their number. The optimizer then runs under jit on t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from moelab.model import transformer
 from moelab.parallel.mesh import BATCH_AXES, EXPERT_WEIGHTS
 
 __all__ = ["RACK", "mean_over_devices", "named_axes", "split_in_rack", "gather_split", "layer_gather", "reduce_gradients",
@@ -54,29 +56,51 @@ def split_in_rack(name: str, spec: P, experts_local: bool) -> int | None:
     return next(d for d, entry in enumerate(spec) if entry == RACK or (isinstance(entry, tuple) and RACK in entry))
 
 
-def gather_split(tree: dict[str, Any], specs: dict[str, P], experts_local: bool) -> dict[str, Any]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_as_read(shard: jax.Array, dim: int, dtype: jnp.dtype) -> jax.Array:
+    """A parameter split over the rack, whole, in `dtype`: the dtype the model reads it in, so a bfloat16 run moves half
+    the bytes. Its gradient comes back as autodiff's transpose would send it (a reduce-scatter), but in float32."""
+    return jax.lax.all_gather(shard.astype(dtype), RACK, axis=dim, tiled=True)
+
+
+def _gather_forward(shard, dim, dtype):
+    return _gather_as_read(shard, dim, dtype), None
+
+
+def _gather_backward(dim, dtype, _, cotangent):
+    return (jax.lax.psum_scatter(cotangent.astype(jnp.float32), RACK, scatter_dimension=dim, tiled=True),)
+
+
+_gather_as_read.defvjp(_gather_forward, _gather_backward)
+
+
+def gather_split(tree: dict[str, Any], specs: dict[str, P], experts_local: bool,
+                 compute_dtype: jnp.dtype = jnp.float32) -> dict[str, Any]:
     """`tree`'s leaves split over the rack, all-gathered over it (inside `shard_map`); the rest as they are.
 
-    The gather's transpose is a reduce-scatter over the rack: the gradient of a split parameter comes back split,
-    summed over the rack, per microbatch, inside the rack's links."""
+    A weight the model reads only through a cast (`transformer.READ_IN_COMPUTE_DTYPE`) is gathered in
+    `compute_dtype`. The gradient of a split parameter comes back split, summed over the rack in float32 (a
+    reduce-scatter), per microbatch, inside the rack's links."""
     out = {}
     for name, leaf in tree.items():
         if isinstance(leaf, dict):
-            out[name] = gather_split(leaf, specs[name], experts_local)
+            out[name] = gather_split(leaf, specs[name], experts_local, compute_dtype)
             continue
         dim = split_in_rack(name, specs[name], experts_local)
-        out[name] = leaf if dim is None else jax.lax.all_gather(leaf, RACK, axis=dim, tiled=True)
+        dtype = compute_dtype if name in transformer.READ_IN_COMPUTE_DTYPE else leaf.dtype
+        out[name] = leaf if dim is None else _gather_as_read(leaf, dim, jnp.dtype(dtype))
     return out
 
 
-def layer_gather(param_specs: dict[str, Any], experts_local: bool) -> Callable[[dict], dict]:
+def layer_gather(param_specs: dict[str, Any], experts_local: bool,
+                 compute_dtype: jnp.dtype = jnp.float32) -> Callable[[dict], dict]:
     """A `transformer.Gather`: one layer's params (a slice of the stacked `layers` or `dense_layers`), split ones
     gathered over the rack where the layer runs. The stacked arrays' specs less their layer axis."""
     names = {}
     for stack in ("layers", "dense_layers"):
         for name, spec in param_specs.get(stack, {}).items():
             names[name] = P(*tuple(spec)[1:])
-    return lambda layer: gather_split(layer, names, experts_local)
+    return lambda layer: gather_split(layer, names, experts_local, compute_dtype)
 
 
 def _reduce_leaf(grad: jax.Array, spec: P, mesh_shape: dict[str, int]) -> jax.Array:

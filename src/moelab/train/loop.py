@@ -71,13 +71,13 @@ def _per_device_loss(cfg: RunConfig, mesh: Mesh, dispatch: Dispatch) -> tuple[Ca
     `shard_map`, parameters split over the rack gathered where they are read; and the params' specs."""
     specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings(cfg, mesh).params)
     experts_local = dispatch.backend == "ep"
-    gather = spmd.layer_gather(specs, experts_local)
     dtype = compute_dtype(cfg)
+    gather = spmd.layer_gather(specs, experts_local, dtype)
 
     def loss(params, rows, shared):
         router_bias, rebalance = shared
         top = {k: v for k, v in params.items() if k not in mesh_lib.STACKED}
-        params = {**params, **spmd.gather_split(top, specs, experts_local)}
+        params = {**params, **spmd.gather_split(top, specs, experts_local, dtype)}
         return transformer.loss(params, rows, cfg.model, router_bias, dtype, dispatch=dispatch, gather=gather,
                                 rebalance=rebalance if cfg.model.moe.rebalance_steps else False)
 

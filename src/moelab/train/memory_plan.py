@@ -47,7 +47,7 @@ from moelab.config import RunConfig, from_dict, override, to_dict
 from moelab.errors import ConfigError
 from moelab.model import grouped_matmul, transformer
 from moelab.model.moe import build_moe
-from moelab.parallel import ep
+from moelab.model import exchange
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.state import init_state
 
@@ -345,66 +345,117 @@ def _rows_per_microbatch(cfg: RunConfig) -> int:
     return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
 
 
-def communication(cfg: RunConfig, split: LayerSplit | None = None, platform: str = "gpu") -> dict[str, int]:
-    """Bytes one device sends per step, by collective: the collectives XLA's partitioner emits for the step.
+class ParamBytes(NamedTuple):
+    """A model's parameter bytes (float32, whole) by how the per-device step moves them under `mesh.shard`."""
 
-    Read off the compiled HLO (`collective_bytes`; `benchmarks/comm_bytes.py` compares the two), each
-    per microbatch:
-    - `ep`'s all-to-alls: per layer and wave, the rows out and back ([X, P, Din] each) in the forward, the
-      backward and (under remat) the recomputed forward, and the expert ids ([X, P] int32) in each
+    layer_split: int  # one MoE block's non-expert parameters split over the rack (gathered where they are read)
+    layer_read: int  # ... as gathered: the matrices in the compute dtype (`transformer.READ_IN_COMPUTE_DTYPE`)
+    layer_whole: int  # ... and those every device holds whole
+    dense_split: int  # the same for one dense block (`model.dense_layers`)
+    dense_read: int
+    dense_whole: int
+    top_split: int  # embedding, lm head and final norm
+    top_read: int
+    top_whole: int
+    experts: int  # one MoE block's routed experts (all E)
+    updated_whole: int  # parameters held whole whose moments split over the whole mesh (`optimizer`)
+    updated_split: int  # parameters split over the rack whose moments split over "replica" too, per device
+
+
+def _param_bytes(cfg: RunConfig, platform: str = "gpu") -> ParamBytes:
+    """`ParamBytes` read off the params `transformer.init` would make and their `leaf_spec` on `cfg.mesh`; the bytes
+    as gathered in the compute dtype as `platform` moves them (XLA on CPU moves 16-bit rows as float32)."""
+    read_itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize
+    params = jax.eval_shape(lambda: transformer.init(cfg.model, jax.random.key(0)))
+    axes = {"replica": cfg.mesh.replica, "expert": cfg.mesh.expert}
+    sums = Counter()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        where = {"layers": "layer", "dense_layers": "dense"}.get(keys[0], "top")
+        per_layer = _nbytes(leaf) // (leaf.shape[0] if where != "top" else 1)
+        spec = mesh_lib.leaf_spec(path, leaf, axes, cfg.mesh.shard)
+        if keys[-1] in mesh_lib.EXPERT_WEIGHTS:
+            sums["experts"] += per_layer
+        elif "expert" in spec:
+            sums[f"{where}_split"] += per_layer
+            cast = keys[-1] in transformer.READ_IN_COMPUTE_DTYPE
+            sums[f"{where}_read"] += per_layer * read_itemsize // 4 if cast else per_layer
+        else:
+            sums[f"{where}_whole"] += per_layer
+        moment = mesh_lib.leaf_spec((jax.tree_util.GetAttrKey("opt_state"), *path), leaf, axes, cfg.mesh.shard)
+        if "replica" in str(moment):
+            sums["updated_split" if "expert" in spec else "updated_whole"] += _nbytes(leaf) // _split(spec, axes)
+    return ParamBytes(**{name: int(sums[name]) for name in ParamBytes._fields})
+
+
+def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
+    """Bytes one device sends per step, by collective and link: `<kind>_in_rack` over the rack's links, `<kind>_across_racks`
+    over the network. What the per-device step (`moelab.parallel.spmd`) emits, compiled (`collective_bytes_by_link`;
+    `benchmarks/comm_bytes.py` compares the two on simulated multi-rack meshes):
+    - `ep`'s all-to-alls, in the rack, each microbatch: per layer and wave, the rows out and back ([X, P, Din] each) in
+      the forward, the backward and (under remat) the recomputed forward, and the expert ids ([X, P] int32) in each
       forward. XLA on CPU moves 16-bit rows as float32; on a GPU, in the compute dtype.
-    - all-gathers: under `full`, each layer's non-expert parameters (float32) in the forward and again in
-      the backward (the recomputed forward reuses that), the embedding and head once a step. Wherever the batch
-      is split, the router's top-k gathers every token's scores ([tokens, E] float32) from all devices,
-      once per top-k (selection; the quantile rules' threshold; the recomputed selection under remat),
-      and the expert load's scatter gathers the [tokens, k, 2] int32 indices once. Over several racks
-      these gathers span them (`all_gather_across_racks`): a cost of the partitioner's choice that
-      routing inside each device's own tokens would remove.
-    - all-reduces of the gradient, inside each microbatch (not once per step): the non-expert part over
-      the devices that hold it whole or, under `full`, over the rack (where XLA's CPU partitioner emits
-      an all-reduce, not the reduce-scatter the layout needs); the experts' over the racks. An
-      all-reduce whose group spans racks is counted under `all_reduce_across_racks`.
-    - `optimizer`: the gradient's reduce-scatter and the new parameters' all-gather, once per step.
-    `split`: `_layer_split(cfg)` where the caller has it already.
+    - under `rack` and `full`, in the rack, each microbatch: every split block parameter all-gathered where it is read
+      (again in its recomputed forward under remat; a matrix in the compute dtype) and its gradient reduce-scattered
+      (float32); the embedding and head gathered once a step (XLA hoists that out of the microbatch loop).
+    - the gradient, once a step: a leaf split over the rack all-reduced across racks as it is held (1/X); a whole
+      one reduce-scattered in the rack, all-reduced across racks in 1/X slices and all-gathered back.
+    - `optimizer` and `full` split moments over the racks too: the new parameters all-gathered across racks, once.
+    - small, each microbatch: the balancer's histogram (reduce-scattered by expert in the rack, summed across racks
+      in 1/X slices), its ranges, and the load and drop counts.
     """
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
-    n = R * X  # the devices the batch is split over
+    n = R * X
     model, moe = cfg.model, cfg.model.moe
-    L, S, E, k = model.num_moe_layers, model.seq_len, moe.num_experts, moe.num_experts_per_token
-    tokens = _rows_per_microbatch(cfg) * S  # one device's, one microbatch
-    split = split or _layer_split(cfg)
-    top, experts = split.top, split.experts
-    non_expert = split.non_expert(cfg)
+    L, Ld, E, k = model.num_moe_layers, model.dense_layers, moe.num_experts, moe.num_experts_per_token
+    tokens = _rows_per_microbatch(cfg) * model.seq_len  # one device's, one microbatch
     remat = model.remat != "none"
-    ring = lambda size, group: size * (group - 1) / group  # noqa: E731  (what one device sends of `size`)
-    out = {"all_to_all": 0.0, "all_gather": 0.0, "all_gather_across_racks": 0.0, "reduce_scatter": 0.0,
-           "all_reduce_in_rack": 0.0, "all_reduce_across_racks": 0.0}
+    ring = lambda size, group: size * (group - 1) / group if group > 1 else 0.0  # noqa: E731  (what one device sends)
+    out = Counter()
+    if n == 1:
+        return {key: 0 for key in COMM_KEYS}
+    g = _param_bytes(cfg, platform)
     if moe.dispatch == "ep" and X > 1:
         W = moe.num_waves
-        P = ep.pool_size(tokens, k, X, E // X, W, moe.transport_factor)
+        P = exchange.pool_size(tokens, k, X, E // X, W, moe.transport_factor)
         itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize
         rows = (3 if remat else 2) * 2 * X * P * model.expert_input_dim * itemsize
         ids = (2 if remat else 1) * X * P * 4
-        out["all_to_all"] = M * L * W * ring(rows + ids, X)
-    if n > 1:
-        top_ks = 1 + (moe.balancing in ("hist", "exact")) + remat
-        out["all_gather" if R == 1 else "all_gather_across_racks"] += M * L * ring(
-            top_ks * n * tokens * E * 4 + n * tokens * k * 2 * 4, n)
-    shard = cfg.mesh.shard
-    across = "all_reduce_across_racks" if R > 1 else "all_reduce_in_rack"
-    if shard == "full" and X > 1:
-        out["all_gather"] += M * ring(2 * (non_expert - top), X) + ring(top, X)
-        out["all_reduce_in_rack"] += M * 2 * ring(non_expert, X)
-        if R > 1:
-            out["all_reduce_across_racks"] += M * 2 * ring(non_expert / X, R)
-    elif shard == "optimizer":
-        out["reduce_scatter"] += ring(non_expert, n)
-        out["all_gather"] += ring(non_expert, n)  # the new parameters, from their owners
-    elif n > 1:
-        out[across] += M * 2 * ring(non_expert, n)
-    if R > 1:
-        out["all_reduce_across_racks"] += M * 2 * ring(L * experts / X, R)
-    return {key: int(value) for key, value in out.items()}
+        out["all_to_all_in_rack"] += M * L * W * ring(rows + ids, X)
+    blocks_split, blocks_read = L * g.layer_split + Ld * g.dense_split, L * g.layer_read + Ld * g.dense_read
+    # The top's gather reads no microbatch: XLA hoists it out of the microbatch loop, once a step.
+    out["all_gather_in_rack"] += M * ring((1 + remat) * blocks_read, X) + ring(g.top_read, X)
+    out["reduce_scatter_in_rack"] += M * ring(blocks_split + g.top_split, X)  # float32
+    # The gradient, once a step.
+    held = (blocks_split + g.top_split + L * g.experts) / X
+    out["all_reduce_across_racks"] += 2 * ring(held, R)
+    whole = L * g.layer_whole + Ld * g.dense_whole + g.top_whole
+    if X > 1 and R > 1:
+        out["reduce_scatter_in_rack"] += ring(whole, X)
+        out["all_reduce_across_racks"] += 2 * ring(whole / X, R)
+        out["all_gather_in_rack"] += ring(whole, X)
+    else:
+        out["all_reduce_in_rack" if R == 1 else "all_reduce_across_racks"] += 2 * ring(whole, n)
+    # `optimizer` / `full`: the update is computed where the moments are, and the new parameters shared back.
+    out["all_gather_across_racks"] += ring(g.updated_whole, n) + ring(g.updated_split, R)
+    # The balancer and the statistics, each microbatch and MoE layer.
+    small = 4 * (E + 6)  # the load and the drop counts, float32
+    if moe.balancing == "hist":
+        solves = 1 + (moe.rebalance_iterations if moe.rebalance_steps else 0)
+        hist = 4 * E * moe.hist_bins
+        small += solves * 2 * 4 * E  # the ranges (pmax)
+        if X > 1 and R > 1 and E % X == 0:
+            out["reduce_scatter_in_rack"] += M * L * solves * ring(hist, X)
+            out["all_reduce_across_racks"] += M * L * solves * 2 * ring(hist / X, R)
+            out["all_gather_in_rack"] += M * L * solves * ring(4 * E, X)
+        else:
+            small += solves * hist
+    out["all_reduce_in_rack" if R == 1 else "all_reduce_across_racks"] += M * L * 2 * ring(small, n)
+    return {key: int(out[key]) for key in COMM_KEYS}
+
+
+COMM_KEYS = ("all_to_all_in_rack", "all_gather_in_rack", "reduce_scatter_in_rack", "all_reduce_in_rack",
+             "all_gather_across_racks", "all_reduce_across_racks")
 
 
 # One-setting changes `advise` tries, largest lever first: (field, value, what it does).
@@ -460,7 +511,7 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     grad_sum = grads if M > 1 else 0
     act = activation_bytes(cfg, rows, platform)
     # one layer + embeddings, and their grads
-    gathered = 2 * (max(split.layer, split.dense_layer) + split.top) if cfg.mesh.shard == "full" and X > 1 else 0
+    gathered = 2 * (max(split.layer, split.dense_layer) + split.top) if cfg.mesh.shard in ("rack", "full") and X > 1 else 0
     # The update reads the largest array's two moments in float32 when they are stored narrower.
     moments_f32 = 2 * state["largest_param"] if cfg.train.moment_dtype != "float32" else 0
     phases = {
@@ -474,7 +525,7 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     always = {"params": state["params"], "moments": state["moments"], "other_state": state["other_state"]}
     keys = ("grads", "grad_sum", "activations", "logits_grad", "block_work", "gathered", "update")
     terms = {**always, **{key: phases[peak].get(key, 0) for key in keys}}
-    comm = communication(cfg, split, platform)
+    comm = communication(cfg, platform)
     seconds = {k: v / (links.network if k.endswith("across_racks") else links.nvlink) for k, v in comm.items()}
     result = Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
                   rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
@@ -502,21 +553,46 @@ def _shape_bytes(types: str) -> int:
     return total
 
 
-def _group_size(line: str, num_devices: int) -> int:
-    """Devices in each replica group of a collective: `{{0,1},{2,3}}`, the iota form `[2,4]<=[8]`, or the
-    mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`; all `num_devices` when it names none."""
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of one collective, as positions in the mesh's device order: listed `{{0,1},{2,3}}`, the iota
+    form `[2,4]<=[8]` or `[4,2]<=[2,4]T(1,0)`, the mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`, a
+    collective-permute's `source_target_pairs`; one group of all `num_devices` when it names none."""
     mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
     if mesh:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        return math.prod(int(sizes[axis]) for axis in re.findall(r"'(\w+)'", mesh.group(2)))
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+        sizes = {axis: int(size) for axis, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
+        names = list(sizes)
+        over = set(re.findall(r"'(\w+)'", mesh.group(2)))
+        ids = np.arange(num_devices).reshape([sizes[a] for a in names])
+        kept = [i for i, a in enumerate(names) if a in over]
+        moved = np.moveaxis(ids, kept, list(range(len(names) - len(kept), len(names))))
+        return moved.reshape(-1, math.prod(sizes[names[i]] for i in kept)).tolist()
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if iota:
-        return int(iota.group(1).split(",")[-1])
-    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if listed:
-        return len(listed.group(1).split(","))
-    pairs = re.search(r"source_target_pairs=\{([^}]*)\}", line)
-    return 2 if pairs else num_devices
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return ids.reshape(-1, shape[-1]).tolist()
+    listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+    if listed and listed.group(1) != "{}":
+        return [[int(d) for d in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", listed.group(1))]
+    pairs = re.search(r"source_target_pairs=\{([^}]*(?:\}[^}]*)*)\}", line)
+    if pairs:
+        return [[int(d) for d in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)\}", line)]
+    return [list(range(num_devices))]
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    """Devices in each replica group of a collective (a collective-permute: 2, a sender and a receiver)."""
+    if "source_target_pairs=" in line:
+        return 2
+    return len(replica_groups(line, num_devices)[0])
+
+
+def spans_racks(line: str, num_devices: int, rack_size: int) -> bool:
+    """Whether any group of a collective holds devices of two racks (mesh positions p // rack_size differ)."""
+    return any(len({d // rack_size for d in group}) > 1 for group in replica_groups(line, num_devices))
 
 
 def _wire_bytes(kind: str, result: int, n: int) -> float:
@@ -537,6 +613,24 @@ def collective_bytes(hlo: str, num_devices: int) -> dict[str, int]:
     unknown trip count raises rather than guessing); a conditional adds its largest branch; any other
     called computation adds its total once.
     """
+    found = _walk(hlo, num_devices, lambda line: "")
+    return {kind: int(found.get((kind, ""), 0)) for kind in COLLECTIVES}
+
+
+LINKS = ("in_rack", "across_racks")
+
+
+def collective_bytes_by_link(hlo: str, num_devices: int, rack_size: int) -> dict[str, dict[str, int]]:
+    """`collective_bytes` split by link: {"in_rack": {kind: bytes}, "across_racks": {kind: bytes}}. A collective
+    whose groups hold devices of two racks (`spans_racks`; a rack is `rack_size` consecutive mesh positions, the
+    mesh's "expert" axis) crosses the network; every other stays on the rack's links."""
+    found = _walk(hlo, num_devices,
+                  lambda line: LINKS[spans_racks(line, num_devices, rack_size)])
+    return {link: {kind: int(found.get((kind, link), 0)) for kind in COLLECTIVES} for link in LINKS}
+
+
+def _walk(hlo: str, num_devices: int, link: Any) -> Counter:
+    """{(kind, link(line)): bytes one device sends} over one execution of the entry computation (`collective_bytes`)."""
     computations: dict[str, list[str]] = {}
     entry = current = None
     for line in hlo.splitlines():
@@ -560,7 +654,7 @@ def collective_bytes(hlo: str, num_devices: int) -> dict[str, int]:
             result, opcode = op.groups()
             kind = opcode.removesuffix("-start")
             if kind in COLLECTIVES:
-                count[kind] += _wire_bytes(kind, _shape_bytes(result), _group_size(line, num_devices))
+                count[(kind, link(line))] += _wire_bytes(kind, _shape_bytes(result), _group_size(line, num_devices))
             elif opcode == "while":
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
@@ -576,8 +670,7 @@ def collective_bytes(hlo: str, num_devices: int) -> dict[str, int]:
                     count += total(called)
         return count
 
-    found = total(entry)
-    return {kind: int(found.get(kind, 0)) for kind in COLLECTIVES}
+    return total(entry)
 
 
 def compile_step(cfg: RunConfig) -> Any:
