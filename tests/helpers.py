@@ -63,7 +63,7 @@ def float_scatter_adds(jaxpr_text: str) -> list[str]:
 def dispatch_gradient_jaxpr(dispatch_fn, cfg, num_tokens: int) -> str:
     """The printed jaxpr of d(sum of a dispatch's outputs) / d(rows, combine weights, expert weights), bf16.
 
-    `dispatch_fn(h, routing, experts)` is a backend from `moelab.parallel.ep.make_dispatch`; the routing comes from `cfg`'s
+    `dispatch_fn(h, routing, experts)` is a `moelab.model.moe.Dispatch` (or a backend function); the routing comes from `cfg`'s
     router on random rows, so the gradient of the router itself (not dispatch's business) is left out.
     """
     import jax
@@ -168,10 +168,10 @@ def apply_on_one_device(params, tokens, cfg, router_bias, compute_dtype=None, **
     import jax.numpy as jnp
 
     from moelab.model import transformer
-    from moelab.model.dispatch import single_device
+    from moelab.model.moe import build_moe
 
     return transformer.apply(params, tokens, cfg, router_bias, compute_dtype or jnp.float32,
-                             dispatch=single_device(cfg.moe), **kwargs)
+                             dispatch=build_moe(cfg), **kwargs)
 
 
 def loss_on_one_device(params, tokens, cfg, router_bias, compute_dtype=None, **kwargs):
@@ -179,10 +179,10 @@ def loss_on_one_device(params, tokens, cfg, router_bias, compute_dtype=None, **k
     import jax.numpy as jnp
 
     from moelab.model import transformer
-    from moelab.model.dispatch import single_device
+    from moelab.model.moe import build_moe
 
     return transformer.loss(params, tokens, cfg, router_bias, compute_dtype or jnp.float32,
-                            dispatch=single_device(cfg.moe), **kwargs)
+                            dispatch=build_moe(cfg), **kwargs)
 
 
 def tiny_model(*, seq_len: int = 8, moe: dict | None = None, **fields):

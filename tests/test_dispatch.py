@@ -105,7 +105,7 @@ def test_moe_layer_alone_matches_dense_in_output_and_gradients(backend, router_s
     cotangent = jax.random.normal(k_cot, (T, cfg.d_model))  # a random projection exercises every output entry
 
     def objective(params, x, cfg):
-        y, _ = moe.apply(params, x, bias, cfg, dispatch=dispatch_lib.single_device(cfg.moe))
+        y, _ = moe.apply(params, x, bias, cfg, dispatch=moe.build_moe(cfg))
         return jnp.sum(y * cotangent), y
 
     grad_fn = jax.grad(objective, argnums=(0, 1), has_aux=True)
@@ -174,7 +174,7 @@ def test_capacity_drops_exactly_the_overflow_of_a_skewed_router(router_score):
     assert counts[0] > C, "the skew should overfill expert 0"
 
     experts = {name: params[name] for name in ("w_gate", "w_up", "w_down")}
-    out, stats = dispatch_lib.single_device(cfg.moe)(x, routing, experts)
+    out, stats = moe.build_moe(cfg)(x, routing, experts)
     assert float(stats["dropped"]) == expected_dropped
     np.testing.assert_array_equal(stats["load"], counts.astype(np.float32))
     assert float(stats["assignments"]) == T * K
@@ -199,37 +199,33 @@ def test_capacity_output_equals_dense_with_dropped_assignments_zeroed(router_sco
 
 
 def test_dispatch_rejects_a_backend_it_does_not_know():
-    with pytest.raises(ValueError, match="not a single-device backend"):
-        dispatch_lib.single_device(MoEConfig(num_experts=E, num_experts_per_token=K, dispatch="ep"))
+    with pytest.raises(ValueError, match="backend='sparse'.*dense, capacity, dropless, grouped, ep"):
+        moe.Dispatch("sparse")
+    with pytest.raises(ValueError, match="purpose='serve'"):
+        moe.Dispatch("dense", purpose="serve")
 
 
 def test_moe_layer_with_ep_dispatch_and_no_backend_raises_a_clear_error():
     """The layer picks no backend itself (issue 41): a call without one names the argument, and the one
     entry point refuses `ep` without its mesh."""
-    from moelab.parallel import ep
 
     cfg = _cfg("ep", "sigmoid", latent=False, shared=False)
     params = moe.init(cfg, jax.random.key(0))
     with pytest.raises(TypeError, match="dispatch"):
         moe.apply(params, jnp.ones((4, cfg.d_model)), jnp.zeros((E,)), cfg)
     with pytest.raises(ValueError, match="mesh"):
-        ep.make_dispatch(cfg.moe)
+        moe.build_moe(cfg)
 
 
-def test_moe_layer_with_ep_dispatch_calls_the_backend_it_is_given():
+def test_moe_layer_runs_the_dispatch_it_is_given_whatever_the_config_names():
+    """The block reads its backend off the `Dispatch` it is handed, never off `cfg.moe.dispatch` (here `ep`)."""
     cfg = _cfg("ep", "sigmoid", latent=True, shared=False)
     params = moe.init(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (B * S, cfg.d_model))
-    calls = []
-
-    def ep_dispatch(h, routing, experts):
-        calls.append(h.shape)
-        return dispatch_lib.dropless(h, routing, experts)
-
-    y, _ = moe.apply(params, x, jnp.zeros((E,)), cfg, dispatch=ep_dispatch)
-    ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"), dispatch=dispatch_lib.dense)
-    assert calls == [(B * S, 16)]  # the latent-width rows
+    y, stats = moe.apply(params, x, jnp.zeros((E,)), cfg, dispatch=moe.Dispatch("dropless"))
+    ref, _ = moe.apply(params, x, jnp.zeros((E,)), _with_backend(cfg, "dense"), dispatch=moe.Dispatch("dense"))
     assert relative_error(y, ref) < 1e-5
+    assert "dropped_at_sender" not in stats  # not `ep`'s statistics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,7 +266,7 @@ def test_take_rows_value_and_gradient_equal_plain_indexing(fan_out):
 def test_backward_pass_of_dispatch_has_no_float_scatter_add(backend):
     """Every row move is a `take_rows`, so the gradient gathers rows instead of scattering them with atomics."""
     cfg = _cfg(backend, "sigmoid", latent=False, shared=False)
-    text = dispatch_gradient_jaxpr(dispatch_lib.single_device(cfg.moe), cfg, B * S)
+    text = dispatch_gradient_jaxpr(moe.build_moe(cfg), cfg, B * S)
     assert "gather" in text
     assert float_scatter_adds(text) == []
     # The check itself can fail: plain indexing does scatter-add in its gradient.
@@ -288,7 +284,7 @@ def test_grouped_layer_forward_and_backward_lower_to_triton_for_cuda(monkeypatch
 
     def loss(params, x):
         y, _ = moe.apply(params, x, jnp.zeros((cfg.moe.num_experts,)), cfg, jnp.bfloat16,
-                         dispatch=dispatch_lib.grouped)
+                         dispatch=moe.Dispatch("grouped"))
         return jnp.sum(y)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -354,26 +350,25 @@ def test_dropless_on_a_gpu_is_refused_naming_grouped(monkeypatch):
     out of memory; it is now refused before anything is compiled, naming the fast dropless path."""
     from moelab.config import MoEConfig
     from moelab.errors import ConfigError
-    from moelab.model.dispatch import single_device as make_dispatch
-
-    cfg = MoEConfig(num_experts=8, num_experts_per_token=2, expert_dim=16, dispatch="dropless")
-    assert make_dispatch(cfg) is not None  # on this CPU it runs
+    cfg = tiny_model(moe={"dispatch": "dropless"})
+    assert moe.build_moe(cfg).backend == "dropless"  # on this CPU it runs
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ConfigError, match="model.moe.dispatch=grouped"):
-        make_dispatch(cfg)
+        moe.build_moe(cfg)
+    assert moe.build_moe(cfg, purpose="decode").backend == "grouped"  # decoding's own no-drop path there
 
 
 def test_the_model_requires_its_dispatch_and_decoding_runs_without_drops():
-    """One dispatch path (issue 50): `transformer.apply` / `loss` pick no backend behind the caller's back, and
-    `no_drops` is "this config, no token dropped", whatever the training backend (on CPU, `dropless`)."""
+    """One dispatch path (issues 50, 58): `transformer.apply` / `loss` pick no backend behind the caller's back, and
+    `decode` is "this config, no token dropped", whatever the training backend (on CPU, `dropless`)."""
     cfg = tiny_model(num_layers=1, moe={"dispatch": "ep"})
     params = transformer.init(cfg, jax.random.key(0))
     tokens = jnp.zeros((2, 8), jnp.int32)
     with pytest.raises(TypeError, match="dispatch"):
         transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg))
-    assert dispatch_lib.no_drops(cfg.moe).func.__name__ == "dropless"
-    _, aux = transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg),
-                               dispatch=dispatch_lib.no_drops(cfg.moe))
+    decoding = moe.build_moe(cfg, purpose="decode")
+    assert (decoding.backend, decoding.drops) == ("dropless", "dropless: no token dropped")
+    _, aux = transformer.apply(params, tokens, cfg, transformer.init_router_bias(cfg), dispatch=decoding)
     assert float(aux["drop_fraction"]) == 0.0
 
 

@@ -12,7 +12,7 @@ from helpers import run_cli
 
 from moelab.evals import loss as eval_loss
 from moelab.model import transformer
-from moelab.parallel.ep import make_dispatch
+from moelab.model.moe import Dispatch
 from moelab.train.weights import load_run
 
 
@@ -37,7 +37,7 @@ def test_eval_loss_is_the_models_own_loss_and_bits_per_byte_follow_from_it(train
     tokens = jnp.asarray(eval_loss.token_stream(trained.tokenizer, [text])[None])
     assert tokens.shape == (1, seq_len + 1)
     model = trained.cfg.model
-    dropless = make_dispatch(dataclasses.replace(model.moe, dispatch="dropless"))
+    dropless = Dispatch("dropless")
     _, aux = transformer.loss(trained.params, tokens, model, trained.router_bias, dispatch=dropless)
     assert s.tokens == seq_len and s.bytes == seq_len and s.documents == 1
     assert s.loss == pytest.approx(float(aux["ce"]), rel=1e-5)  # the same sum, in float64 here, float32 there
@@ -102,7 +102,7 @@ def test_the_harness_adapters_loglikelihood_is_moelabs_own_loss(trained):
     lm = make_lm(trained, batch_size=2)
     (whole, _), (split, _) = lm.loglikelihood([Request("", text), Request(text[:50], text[50:])])
     tokens = jnp.asarray(eval_loss.token_stream(trained.tokenizer, [text])[None])
-    dropless = make_dispatch(dataclasses.replace(model.moe, dispatch="dropless"))
+    dropless = Dispatch("dropless")
     _, aux = transformer.loss(trained.params, tokens, model, trained.router_bias, dispatch=dropless)
     assert whole == pytest.approx(-seq_len * float(aux["ce"]), rel=1e-5)
     assert -split < -whole and -split > 0  # the continuation's part of the same sum

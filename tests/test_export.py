@@ -16,7 +16,7 @@ from moelab import presets
 from moelab.data.tokenizer import ByteTokenizer, HFTokenizer
 from moelab.export import check, writer
 from moelab.model import transformer
-from moelab.model.dispatch import single_device
+from moelab.model.moe import build_moe
 from moelab.train.weights import RunWeights, load_run
 
 TINY = presets.resolve("tiny", {})
@@ -60,7 +60,7 @@ def test_a_mixtral_style_export_loads_in_transformers_with_moelabs_logits(tmp_pa
     assert result["layout"] == "mixtral" and result["hf_class"] == "MixtralForCausalLM"
     tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 48), 0, 257))
     ours, _ = transformer.apply(run.params, jnp.asarray(tokens), run.cfg.model, run.router_bias,
-                                dispatch=single_device(run.cfg.model.moe))
+                                dispatch=build_moe(run.cfg.model))
     # Same function in float32; torch and XLA sum in other orders (~1e-6), far below any wrong weight (order 1).
     assert relative_error(_transformers_logits(tmp_path / "mixtral", tokens), ours) < 1e-4
 
@@ -112,9 +112,9 @@ def test_moelab_layout_round_trips_with_identical_logits_and_the_router_bias(tra
                                                                                    dispatch="dropless"))
     np.testing.assert_array_equal(bias, trained.router_bias)
     tokens = jnp.asarray(np.arange(2 * 64).reshape(2, 64) % 257)
-    ours, _ = transformer.apply(trained.params, tokens, cfg, trained.router_bias, dispatch=single_device(cfg.moe))
+    ours, _ = transformer.apply(trained.params, tokens, cfg, trained.router_bias, dispatch=build_moe(cfg))
     back, _ = transformer.apply(jax.tree.map(jnp.asarray, params), tokens, cfg, jnp.asarray(bias),
-                                dispatch=single_device(cfg.moe))
+                                dispatch=build_moe(cfg))
     np.testing.assert_array_equal(np.asarray(back), np.asarray(ours))
     assert "load_export" in (tmp_path / "tiny" / "README.md").read_text()
 

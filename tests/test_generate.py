@@ -14,7 +14,7 @@ from helpers import relative_error, run_cli
 from moelab import presets
 from moelab.config import dump_yaml, load_yaml
 from moelab.model import decode, transformer
-from moelab.parallel.ep import make_dispatch
+from moelab.model.moe import Dispatch
 
 CFG = presets.resolve("tiny", {}).model
 
@@ -51,7 +51,7 @@ def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token(qk
 
     # The oracle: one full forward over the whole sequence per new token (jitted once on a fixed-length buffer;
     # causal attention keeps the zeros past the filled positions out of the logits read).
-    dropless = make_dispatch(dataclasses.replace(cfg.moe, dispatch="dropless"))
+    dropless = Dispatch("dropless")
     full = jax.jit(lambda tokens: transformer.apply(params, tokens, cfg, bias, dispatch=dropless)[0])
     P, new = prompt.shape[1], 31
     buf = np.zeros((2, P + new), np.int32)

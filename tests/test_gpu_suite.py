@@ -25,7 +25,7 @@ import pytest
 from helpers import load_benchmark
 from moelab import accounting, presets
 from moelab.model import transformer
-from moelab.model.dispatch import single_device
+from moelab.model.moe import build_moe
 from moelab.train import memory_plan
 from moelab.train.state import init_state
 
@@ -364,7 +364,7 @@ def test_remat_keeps_the_function(remat):
     bias = transformer.init_router_bias(cfg)
 
     def loss_and_grads(model_cfg):
-        fn = lambda p: transformer.loss(p, tokens, model_cfg, bias, jnp.float32, dispatch=single_device(model_cfg.moe))[0]
+        fn = lambda p: transformer.loss(p, tokens, model_cfg, bias, jnp.float32, dispatch=build_moe(model_cfg))[0]
         return jax.jit(jax.value_and_grad(fn))(params)
 
     (ref, ref_grads), (got, got_grads) = loss_and_grads(cfg), loss_and_grads(replace(cfg, remat=remat))

@@ -14,7 +14,7 @@ from helpers import metric_records, run_cli
 
 from moelab.export import hf_import, writer
 from moelab.model import transformer
-from moelab.model.dispatch import no_drops
+from moelab.model.moe import build_moe
 from moelab.model.router import route
 from moelab.train.weights import load_run
 
@@ -124,7 +124,7 @@ def test_an_imported_model_gives_transformers_logits_and_expert_choices(imported
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH))
     theirs, inputs = _router_inputs(model, tokens)
     ours, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), run.cfg.model, run.router_bias,
-                                dispatch=no_drops(run.cfg.model.moe))
+                                dispatch=build_moe(run.cfg.model, purpose="decode"))
     assert float(np.max(np.abs(np.asarray(ours) - theirs.numpy()))) <= 1e-4
     m = run.cfg.model
     assert len(inputs) == m.num_moe_layers == m.num_layers - (name in ("glm4_moe", "qwen3_moe"))  # a dense first block

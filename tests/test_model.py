@@ -15,7 +15,7 @@ import pytest
 from helpers import apply_on_one_device, loss_on_one_device, tiny_model
 from moelab.config import ModelConfig, MoEConfig
 from moelab.model import transformer
-from moelab.model.dispatch import single_device
+from moelab.model.moe import build_moe
 from moelab.model.router import route
 
 B, S = 2, 8
@@ -211,7 +211,7 @@ def test_router_bias_receives_no_gradient():
     params = transformer.init(CFG, jax.random.key(0))
     bias = 0.1 * jax.random.normal(jax.random.key(5), (CFG.num_layers, CFG.moe.num_experts))
     grad_bias = jax.jit(jax.grad(lambda b: transformer.loss(params, _tokens(jax.random.key(1)), CFG, b,
-                                                          dispatch=single_device(CFG.moe))[0]))(bias)
+                                                          dispatch=build_moe(CFG))[0]))(bias)
     np.testing.assert_array_equal(grad_bias, 0.0)
 
 

@@ -4,6 +4,7 @@ exactly what its pool and receiver rules say, trains like one device, and reject
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from collections.abc import Callable
@@ -22,13 +23,13 @@ from moelab.config import MeshConfig, ModelConfig, load_yaml, override
 from moelab.errors import ConfigError
 from moelab.data.mixture import phase_at, sample_batch
 from moelab.model import dispatch as dispatch_lib
-from moelab.model import moe, transformer
+from moelab.model import exchange, moe, transformer
 from moelab.model.router import route
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.loop import make_train_step, prepare_corpus
-from moelab.train.state import init_sharded_state, make_optimizer, state_shardings
+from moelab.train.loop import loss_and_grad, make_train_step, prepare_corpus
+from moelab.train.state import init_sharded_state, init_state, make_optimizer, state_shardings
 
 E, K = 8, 2  # experts, top-k
 B, S = 8, 8  # batch, sequence: T = 64 tokens per MoE layer, 8 per device
@@ -72,13 +73,18 @@ def _ep_cfg(latent: bool, num_waves: int) -> ModelConfig:
     return _cfg("ep", latent, num_waves, capacity_factor=NO_DROPS, transport_capacity_factor=NO_DROPS)
 
 
-def _moe_objective(params, x, bias, cotangent, cfg, dispatch):
-    y, stats = moe.apply(params, x, bias, cfg, dispatch=dispatch)
+def _moe_objective(params, x, bias, cotangent, layer):
+    y, stats = layer(params, x, bias)
     # A random projection of the output: its gradient reaches every entry of y.
     return jnp.sum(y * cotangent), (y, stats)
 
 
-_moe_grad = jax.jit(jax.value_and_grad(_moe_objective, argnums=(0, 1), has_aux=True), static_argnums=(4, 5))
+_moe_grad = jax.jit(jax.value_and_grad(_moe_objective, argnums=(0, 1), has_aux=True), static_argnums=(4,))
+
+
+def _one_device_layer(cfg: ModelConfig):
+    """`cfg`'s MoE block on one device, as `ep.moe_on_mesh` gives it on a mesh."""
+    return functools.partial(moe.apply, cfg=cfg, dispatch=moe.build_moe(cfg))
 
 
 def _moe_inputs(latent: bool):
@@ -92,13 +98,11 @@ def _moe_inputs(latent: bool):
 _references: dict = {}
 
 
-def _reference(grad_fn, inputs, latent: bool):
-    """The single-device dense result, shared by the meshes and wave counts that compare against it."""
-    key = (grad_fn, latent)
-    if key not in _references:
-        cfg = _cfg("dense", latent)
-        _references[key] = grad_fn(*inputs(latent), cfg, ep.make_dispatch(cfg.moe))
-    return _references[key]
+def _reference(latent: bool):
+    """The single-device dense layer's result, shared by the meshes and wave counts that compare against it."""
+    if latent not in _references:
+        _references[latent] = _moe_grad(*_moe_inputs(latent), _one_device_layer(_cfg("dense", latent)))
+    return _references[latent]
 
 
 # Mesh x waves x width, 8 cases: the fast suite runs the half in which every pair of settings still meets
@@ -116,8 +120,8 @@ def test_ep_moe_layer_matches_dense_in_output_and_every_gradient(mesh_name, num_
     cfg = _ep_cfg(latent, num_waves)
     params, x, bias, cot = _moe_inputs(latent)
     params = jax.device_put(params, mesh_lib.state_shardings(params, mesh))
-    (_, (y, stats)), grads = _moe_grad(params, x, bias, cot, cfg, ep.make_dispatch(cfg.moe, mesh))
-    (_, (ref_y, ref_stats)), ref_grads = _reference(_moe_grad, _moe_inputs, latent)
+    (_, (y, stats)), grads = _moe_grad(params, x, bias, cot, ep.moe_on_mesh(cfg, mesh))
+    (_, (ref_y, ref_stats)), ref_grads = _reference(latent)
 
     assert float(stats["dropped"]) == 0.0 and float(stats["kept"]) == B * S * K
     np.testing.assert_array_equal(stats["load"], ref_stats["load"])
@@ -131,52 +135,77 @@ def test_ep_backward_pass_has_no_float_scatter_add(num_waves):
     """Pools, receiver buffers and the un-pooling are `take_rows`, so the gradient gathers rows."""
     mesh = mesh_lib.make_mesh(MESHES["2x4"])
     cfg = _cfg("ep", latent=False, num_waves=num_waves)
-    text = dispatch_gradient_jaxpr(ep.make_dispatch(cfg.moe, mesh), cfg, B * S)
+    text = dispatch_gradient_jaxpr(_ep_dispatch_on_mesh(cfg, mesh), cfg, B * S)
     assert "all_to_all" in text
     assert float_scatter_adds(text) == []
 
 
-def _model_objective(params, tokens, bias, cotangent, cfg, dispatch):
-    logits, aux = transformer.apply(params, tokens, cfg, bias, dispatch=dispatch)
-    # A random projection of the logits: its gradient reaches every parameter through every logit.
-    return jnp.sum(logits * cotangent), (logits, aux)
+def _ep_dispatch_on_mesh(cfg: ModelConfig, mesh, **factors):
+    """`ep`'s `Dispatch` on `mesh` called from a global program: `(h, routing, experts) -> (out, stats)`, rows split
+    over the mesh, experts over "expert" (`factors` replace the block's capacity factors)."""
+    dispatch = dataclasses.replace(moe.build_moe(cfg, mesh), **factors)
+    rows = PartitionSpec(mesh_lib.BATCH_AXES)
+    return jax.shard_map(dispatch, mesh=mesh, in_specs=(rows, rows, PartitionSpec("expert")),
+                         out_specs=(rows, PartitionSpec()))
 
 
-_model_grad = jax.jit(jax.value_and_grad(_model_objective, has_aux=True), static_argnums=(4, 5))
+# ----------------------------------------------------------------------------------------------
+# the train step on a mesh: per device, the same function as one device's (issue 58)
 
 
-def _model_inputs(latent: bool):
-    cfg = _cfg("dense", latent)
-    k_params, k_tokens, k_bias, k_cot = jax.random.split(jax.random.key(7 + latent), 4)
-    params = transformer.init(cfg, k_params)
-    # At init the MoE output is ~1% of the residual stream; scaled up, a wrong row, weight or expert
-    # moves the logits and every gradient at order 1 instead of 1e-3. Only the MoE block is scaled:
-    # scaled attention weights sharpen the softmax, and then merely splitting the batch over devices
-    # (data parallel, no ep at all) moves the w_k / w_q gradients by up to ~5e-6 of their largest entry.
-    moe_names = set(moe.init(cfg, k_params))
-    params["layers"] = {name: 4.0 * p if name in moe_names else p for name, p in params["layers"].items()}
-    tokens = jax.random.randint(k_tokens, (B, S), 0, cfg.vocab_size)
-    bias = 0.05 * jax.random.normal(k_bias, (cfg.num_layers, E))
-    return params, tokens, bias, jax.random.normal(k_cot, (B, S, cfg.vocab_size))
+def _step_inputs(cfg):
+    """tiny's init with its MoE blocks scaled up (as `_moe_inputs`: a wrong row or weight moves every gradient at
+    order 1), a random batch and a bias that changes the routing of plain top-k."""
+    params = init_state(cfg).params
+    names = set(moe.init(cfg.model, jax.random.key(0)))
+    params["layers"] = {name: 4.0 * p if name in names else p for name, p in params["layers"].items()}
+    tokens = jax.random.randint(jax.random.key(3), (cfg.train.batch_size, cfg.model.seq_len + 1), 0, 256)
+    bias = 0.05 * jax.random.normal(jax.random.key(4), (cfg.model.num_moe_layers, cfg.model.moe.num_experts))
+    return params, tokens, (bias, jnp.bool_(False))
 
 
-# 1x8 with one full-width wave is `slow` (issue 27): the layer-level 1x8 cases stay in the fast suite.
-@pytest.mark.parametrize("mesh_name, num_waves, latent",
-                         [("2x4", 3, True), pytest.param("1x8", 1, False, marks=pytest.mark.slow)])
-def test_ep_model_matches_dense_in_logits_and_every_parameter_gradient(mesh_name, num_waves, latent):
-    mesh = mesh_lib.make_mesh(MESHES[mesh_name])
-    cfg = _ep_cfg(latent, num_waves)
-    params, tokens, bias, cot = _model_inputs(latent)
-    params = jax.device_put(params, mesh_lib.state_shardings(params, mesh))
-    tokens = jax.device_put(tokens, mesh_lib.batch_sharding(mesh))
-    (_, (logits, aux)), grads = _model_grad(params, tokens, bias, cot, cfg, ep.make_dispatch(cfg.moe, mesh))
-    (_, (ref_logits, ref_aux)), ref_grads = _reference(_model_grad, _model_inputs, latent)
+_step_references: dict = {}
+
+
+# (backend, mesh, microbatches, layout): `ep` on both racks at one and four microbatches under the layouts that
+# gather (rack, full) or not (replicate, optimizer), and a single-device backend under `replica` alone. Half
+# is `slow` (issue 27: a step compile each, ~10 s on 2 cores); every backend, microbatch count and layout meets.
+_STEP_GRID = [("ep", "2x4", 4, "rack"), ("capacity", "8x1", 4, "replicate"),
+              pytest.param("ep", "2x4", 1, "replicate", marks=pytest.mark.slow),
+              pytest.param("ep", "1x8", 4, "full", marks=pytest.mark.slow),
+              pytest.param("dropless", "8x1", 1, "optimizer", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend, mesh_name, microbatches, layout", _STEP_GRID)
+def test_the_per_device_step_equals_the_dense_step_in_loss_gradients_and_balancer_statistics(
+        backend, mesh_name, microbatches, layout):
+    """Every device routes its own tokens and the gradient is summed once a step (`moelab.parallel.spmd`), yet the
+    step is the one-device `dense` step's function: loss and every gradient to float32 rounding (1e-5, as above),
+    the expert loads equal, the quantile balancer's bias target (one histogram summed over the mesh, reduced in
+    two stages across racks) to rounding. Nothing drops, so only summation order differs."""
+    sets = {"model.seq_len": 16, "train.batch_size": 32, "model.moe.capacity_factor": NO_DROPS,
+            "model.moe.transport_capacity_factor": NO_DROPS, "train.microbatches": microbatches}
+    mesh_cfg = {**MESHES, "8x1": MeshConfig(replica=8, expert=1)}[mesh_name]  # 8x1: data parallel only
+    cfg = override(presets.get("tiny"), {**sets, "model.moe.dispatch": backend, "mesh.replica": mesh_cfg.replica,
+                                         "mesh.expert": mesh_cfg.expert, "mesh.shard": layout})
+    reference = override(presets.get("tiny"), {**sets, "model.moe.dispatch": "dense"})
+    inputs = _step_inputs(cfg)
+    key = microbatches
+    if key not in _step_references:
+        _step_references[key] = jax.jit(loss_and_grad(reference))(*inputs)
+    (ref_loss, ref_aux), ref_grads = _step_references[key]
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    (loss, aux), grads = jax.jit(loss_and_grad(cfg, mesh))(*inputs)
 
     assert float(aux["drop_fraction"]) == 0.0
     np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
-    assert relative_error(logits, ref_logits) < 1e-5
-    assert grads["layers"]["w_gate"].sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(None, "expert")), 4)
-    _assert_close(grads, ref_grads, "d out / ")
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    _assert_close(grads, ref_grads, "d loss / ")
+    assert relative_error(aux["bias_target"], ref_aux["bias_target"]) < 1e-5
+    assert relative_error(aux["router_entropy"], ref_aux["router_entropy"]) < 1e-5
+    if layout in ("rack", "full"):  # the gradient comes out laid out as the parameter it belongs to
+        spec = grads["layers"]["w_q"].sharding.spec
+        assert "expert" in str(spec), spec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,13 +268,13 @@ def test_capacity_factor_one_with_a_skewed_router_drops_at_both_stages_exactly_a
     mesh = mesh_lib.make_mesh(mesh_cfg)
     x, routing, experts = _skewed_layer()
     T = x.shape[0]
-    out, stats = jax.jit(lambda x, routing, experts: ep.dispatch(
-        x, routing, experts, mesh=mesh, capacity_factor=1.0, transport_capacity_factor=1.0, num_waves=num_waves)
-    )(x, routing, experts)
+    cfg = _cfg("ep", latent=False, num_waves=num_waves)
+    layer = _ep_dispatch_on_mesh(cfg, mesh, capacity_factor=1.0, transport_factor=1.0)
+    out, stats = jax.jit(layer)(x, routing, experts)
 
     per_device, shards = T // mesh_cfg.num_devices, mesh_cfg.expert
-    pool = ep.pool_size(per_device, K, shards, E // shards, num_waves, 1.0)
-    capacity = ep.receiver_capacity(per_device, K, E, shards, num_waves, pool, 1.0)
+    pool = exchange.pool_size(per_device, K, shards, E // shards, num_waves, 1.0)
+    capacity = exchange.receiver_capacity(per_device, K, E, shards, num_waves, pool, 1.0)
     dropped, at_sender, at_receiver = _simulate_drops(
         np.asarray(routing.expert_idx), mesh_cfg.replica, shards, num_waves, pool, capacity)
     assert at_sender > 0 and at_receiver > 0, "the skew should overfill both the pools and the buffers"
@@ -279,13 +308,13 @@ def test_receiver_capacity_is_shared_round_robin_across_senders():
     """Every sender overfills expert 0: each keeps the same number of rows (to within one), instead
     of the first senders filling the buffer and the last ones losing everything."""
     ids = np.zeros((4, 5), np.int32)  # 4 senders x 5 rows, all for local expert 0; capacity 10
-    slots = np.asarray(ep.receiver_slots(jnp.asarray(ids), 2, 10))
+    slots = np.asarray(exchange.receiver_slots(jnp.asarray(ids), 2, 10))
     kept_per_sender = np.sum(slots < 2 * 10, axis=1)
     np.testing.assert_array_equal(kept_per_sender, [3, 3, 2, 2])
 
     # Mixed experts and empty rows (id 3 = E_l): the same slots as a plain round-robin loop.
     mixed = np.random.default_rng(0).integers(0, 4, size=(4, 9)).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(ep.receiver_slots(jnp.asarray(mixed), 3, 4)),
+    np.testing.assert_array_equal(np.asarray(exchange.receiver_slots(jnp.asarray(mixed), 3, 4)),
                                   _round_robin_reference(mixed, 3, 4))
 
 

@@ -24,7 +24,7 @@ from moelab.config import MoEConfig, RunConfig, TrainConfig
 from moelab.errors import ConfigError
 from moelab.model import balancing as balancing_lib
 from moelab.model import moe, router, transformer
-from moelab.model.dispatch import single_device
+from moelab.model.moe import build_moe
 from moelab.train.loop import _jsonable, make_eval_step, make_train_step
 from moelab.train.state import init_state
 
@@ -328,7 +328,7 @@ def test_rebalancing_moves_selection_only_and_matches_routing_under_the_solved_b
     bias = 0.3 * jax.random.normal(jax.random.key(2), (E,))
 
     def out(params, bias, rebalance):
-        y, stats = moe.apply(params, h, bias, cfg, dispatch=single_device(cfg.moe), rebalance=rebalance)
+        y, stats = moe.apply(params, h, bias, cfg, dispatch=build_moe(cfg), rebalance=rebalance)
         return jnp.sum(y * jnp.cos(y)), stats
 
     grad = jax.jit(jax.value_and_grad(out, has_aux=True))

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from moelab.config import MoEConfig
 from moelab.errors import ConfigError
 from moelab.model import fp8 as fp8_lib
 from moelab.model import grouped_matmul
@@ -290,7 +289,7 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
 
 
-def check_fp8(cfg: MoEConfig, fp8: bool) -> None:
+def check_fp8(fp8: bool) -> None:
     """Refuse, before anything compiles, an FP8 run a GPU cannot run as FP8: a device before compute capability 8.9
     (no FP8 tensor cores). CPUs emulate it; `grouped` with FP8 the config refuses on any machine."""
     if not fp8 or jax.default_backend() != "gpu":

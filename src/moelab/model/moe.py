@@ -56,6 +56,12 @@ class Dispatch:
     fp8: bool = False  # the expert GEMMs in FP8 (`model.fp8`)
     token_axes: tuple[str, ...] = ()  # the mesh axes this device's tokens are a slice of; () on one device
 
+    def __post_init__(self) -> None:
+        if self.backend not in (*backends.BACKENDS, "ep"):
+            raise ValueError(f"backend={self.backend!r} must be one of {', '.join((*backends.BACKENDS, 'ep'))}.")
+        if self.purpose not in PURPOSES:
+            raise ValueError(f"purpose={self.purpose!r} must be one of {', '.join(PURPOSES)}.")
+
     @property
     def drops(self) -> str:
         """The drop policy in words, as the run's log states it."""
@@ -112,7 +118,7 @@ def build_moe(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, purpose: 
     m = cfg.moe
     if purpose not in PURPOSES:
         raise ValueError(f"purpose={purpose!r} must be one of {', '.join(PURPOSES)}.")
-    backends.check_fp8(m, cfg.fp8)
+    backends.check_fp8(cfg.fp8)
     on_gpu = jax.default_backend() == "gpu"
     if purpose == "decode":
         if cfg.fp8 and on_gpu:
