@@ -40,7 +40,7 @@ import jax  # noqa: E402
 
 from moelab import presets  # noqa: E402
 from moelab.config import MeshConfig, RunConfig, override  # noqa: E402
-from moelab.parallel import ep  # noqa: E402
+from moelab.model import exchange  # noqa: E402
 from moelab.train import memory_plan  # noqa: E402
 
 
@@ -74,7 +74,7 @@ def expected_bytes(cfg: RunConfig) -> int:
     m, moe = cfg.model, cfg.model.moe
     X = cfg.mesh.expert
     tokens_per_device = cfg.train.batch_size * m.seq_len // cfg.mesh.num_devices
-    P = ep.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves, moe.transport_factor)
+    P = exchange.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves, moe.transport_factor)
     row_bytes = 2 if cfg.train.compute_dtype == "bfloat16" else 4
     return m.num_layers * moe.num_waves * (4 * P * m.expert_input_dim * row_bytes + P * 4) * (X - 1)
 

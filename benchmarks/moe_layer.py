@@ -38,6 +38,7 @@ Where the time goes, without a profiler:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -129,15 +130,19 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
     """Median seconds of one jitted forward + backward of the layer; with `profile`, its kernels too
     (after `on_timed(timing)`, so a profile that never finishes cannot cost the timing).
 
-    `backend_fn(h, routing, experts)`, if given, replaces the configured backend as `moe.apply`'s
-    `dispatch` (how `grouped` runs with other tiles); `ep` runs on a 1x1 mesh.
+    `backend_fn(h, routing, experts)`, if given, replaces the configured backend inside the block (`_Variant`:
+    how `grouped` runs with other tiles); `ep` runs on a 1x1 mesh, per device as in the train step.
     """
-    dispatch = backend_fn or ep.make_dispatch(cfg.moe, mesh_lib.make_mesh(MeshConfig()), fp8=cfg.fp8)
     params, x, cot = _inputs(cfg, tokens)
     bias = jnp.zeros((cfg.moe.num_experts,), jnp.float32)
+    if cfg.moe.dispatch == "ep":
+        block = ep.moe_on_mesh(cfg, mesh_lib.make_mesh(MeshConfig()), compute_dtype=jnp.bfloat16)
+    else:
+        dispatch = moe.build_moe(cfg) if backend_fn is None else _Variant(cfg.moe.dispatch, fp8=cfg.fp8, fn=backend_fn)
+        block = functools.partial(moe.apply, cfg=cfg, compute_dtype=jnp.bfloat16, dispatch=dispatch)
 
     def loss(params, x):
-        y, stats = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch=dispatch)
+        y, stats = block(params, x, bias)
         return jnp.sum(y * cot), stats["dropped"] / stats["assignments"]
 
     layer = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -149,6 +154,13 @@ def time_backend(cfg: ModelConfig, tokens: int, iters: int, budget_s: float, bac
             on_timed(dict(timing))
         timing["profile"] = profile_call(lambda: layer(params, x))
     return timing
+
+
+# A kernel variant as the block's dispatch: `fn(h, routing, experts)` in place of the backend's function. Made with
+# `make_dataclass` (a type, not an annotation string) because `load_benchmark` runs this file outside sys.modules.
+_Variant = dataclasses.make_dataclass(
+    "_Variant", [("fn", object, dataclasses.field(default=None))], bases=(moe.Dispatch,), frozen=True,
+    namespace={"__call__": lambda self, h, routing, experts: self.fn(h, routing, experts)})
 
 
 def _swiglu_buffers(buf, w_gate, w_up, w_down):
@@ -225,7 +237,7 @@ def check_grouped(args) -> dict:
         bias = jnp.zeros((args.experts,), jnp.float32)
 
         def loss(params, x, cfg=cfg, cot=cot, bias=bias):
-            y, _ = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch=ep.make_dispatch(cfg.moe))
+            y, _ = moe.apply(params, x, bias, cfg, jnp.bfloat16, dispatch=moe.build_moe(cfg))
             return jnp.sum(y * cot), y
 
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from helpers import relative_error, tiny_model
 
-from moelab.config import MeshConfig, ModelConfig
+from moelab.config import MeshConfig, ModelConfig, RunConfig, TrainConfig, override
 from moelab.errors import ConfigError
-from moelab.model import dispatch as dispatch_lib
 from moelab.model import fp8, transformer
-from moelab.parallel import ep
+from moelab.model.moe import Dispatch, build_moe
 from moelab.parallel import mesh as mesh_lib
+from moelab.train.loop import loss_and_grad
 
 FORMATS = {"e4m3": (fp8.E4M3, ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (fp8.E5M2, ml_dtypes.float8_e5m2, 57344.0)}
 
@@ -95,20 +95,20 @@ _DENSE_REFERENCE: dict = {}
 def _dense_reference():
     if not _DENSE_REFERENCE:
         cfg = _fp8_model("dense")
-        _DENSE_REFERENCE["fp8"] = _loss_and_grads(cfg, dispatch_lib.single_device(cfg.moe, True))
+        _DENSE_REFERENCE["fp8"] = _loss_and_grads(cfg, build_moe(cfg))
         plain = dataclasses.replace(cfg, fp8=False)
-        _DENSE_REFERENCE["plain"] = _loss_and_grads(plain, dispatch_lib.single_device(plain.moe))
+        _DENSE_REFERENCE["plain"] = _loss_and_grads(plain, build_moe(plain))
     return _DENSE_REFERENCE
 
 
-@pytest.mark.parametrize("backend", ["capacity", "dropless", pytest.param("grouped", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["capacity", "dropless"])
 def test_every_backend_computes_denses_fp8_function(backend):
     """A dense first block, QK-norm, LatentMoE and a shared expert: every projection and expert GEMM in FP8. Rows
     round per row, so each backend's rows round as the oracle's do: loss and every gradient agree to float32
-    round-off, while FP8 moves the loss itself. `grouped` is `slow`: the Pallas interpreter, ~8 s."""
+    round-off, while FP8 moves the loss itself. (`grouped` has no FP8 path: the config refuses it, below.)"""
     reference = _dense_reference()
     cfg = _fp8_model(backend)
-    got = _loss_and_grads(cfg, dispatch_lib.single_device(cfg.moe, True))
+    got = _loss_and_grads(cfg, build_moe(cfg))
     _assert_same(got, reference["fp8"], backend)
     assert relative_error(reference["fp8"][0], reference["plain"][0]) > 1e-3
 
@@ -121,25 +121,24 @@ def test_ep_on_eight_devices_computes_the_single_device_fp8_function():
     each) and the gradients part by up to 4%; unscaled they agree to 7e-7 while FP8 moves them ~10% from float32.
     `slow`: two 2 x 4 compiles, ~14 s on 2 cores, and `make test` stands at 7 of its 8 minutes; the fast suite
     keeps every single-device backend against `dense` (above), and `ep` against `dense` in bf16 (test_parallel)."""
-    cfg = _fp8_model("ep", capacity_factor=8.0, transport_capacity_factor=8.0)
-    mesh = mesh_lib.make_mesh(MeshConfig(replica=2, expert=4))
-    params = transformer.init(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (8, 9), 0, cfg.vocab_size)
-    bias = 0.05 * jax.random.normal(jax.random.key(2), (cfg.num_moe_layers, cfg.moe.num_experts))
+    model = _fp8_model("ep", capacity_factor=8.0, transport_capacity_factor=8.0)
+    cfg = RunConfig(model=model, train=TrainConfig(batch_size=8), mesh=MeshConfig(replica=2, expert=4))
+    single = override(cfg, {"model.moe.dispatch": "capacity", "mesh.replica": 1, "mesh.expert": 1})
+    params = transformer.init(model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, model.seq_len + 1), 0, model.vocab_size)
+    bias = 0.05 * jax.random.normal(jax.random.key(2), (model.num_moe_layers, model.moe.num_experts))
 
-    def run(cfg, dispatch):
-        return jax.jit(jax.value_and_grad(
-            lambda p: transformer.loss(p, tokens, cfg, bias, jnp.float32, dispatch=dispatch)[0]))(params)
+    def run(cfg, mesh=None):
+        (loss, _), grads = jax.jit(loss_and_grad(cfg, mesh))(params, tokens, (bias, jnp.bool_(False)))
+        return loss, grads
 
-    got = run(cfg, ep.make_dispatch(cfg.moe, mesh, fp8=True))
-    single = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="capacity"))
-    _assert_same(got, run(single, dispatch_lib.single_device(single.moe, True)), "ep")
+    _assert_same(run(cfg, mesh_lib.make_mesh(cfg.mesh)), run(single), "ep")
 
 
 def test_a_dispatch_built_without_fp8_cannot_run_an_fp8_models_experts():
     cfg = _fp8_model("capacity")
     with pytest.raises(ValueError, match=r"model.fp8=True, but the dispatch was built with fp8=False"):
-        _loss_and_grads(cfg, dispatch_lib.single_device(cfg.moe))
+        _loss_and_grads(cfg, Dispatch("capacity", capacity_factor=cfg.moe.capacity_factor))
     with pytest.raises(ConfigError, match="model.fp8"):
         ModelConfig(fp8="yes")
 
@@ -154,16 +153,21 @@ class _Device:
 ])
 def test_a_gpu_that_cannot_run_fp8_is_refused_before_compiling_naming_the_field(capability, backend, refused,
                                                                                  monkeypatch):
-    """An A100 (8.0) has no FP8 tensor cores; the Pallas grouped GEMM has no FP8 path: both refused by name when
-    the dispatch is built, before any trace. An H100 / H200 (9.0) with `capacity` runs."""
+    """An A100 (8.0) has no FP8 tensor cores: refused by name when the dispatch is built, before any trace. The
+    Pallas grouped GEMM has no FP8 path: the config itself refuses it, on any machine (so `moelab plan` on a CPU
+    says what a GPU launch would). An H100 / H200 (9.0) with `capacity` runs."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "devices", lambda *a: [_Device(capability)])
-    cfg = _fp8_model(backend)
     if refused is None:
-        assert dispatch_lib.single_device(cfg.moe, True).fp8
+        assert build_moe(_fp8_model(backend)).fp8
         return
     with pytest.raises(ConfigError, match=rf"model.fp8=true.*{refused}"):
-        dispatch_lib.single_device(cfg.moe, True)
+        build_moe(_fp8_model(backend))
+
+
+def test_fp8_with_the_grouped_backend_is_refused_by_the_config_on_a_cpu_too():
+    with pytest.raises(ConfigError, match=r"model.fp8=true with model.moe.dispatch='grouped'.*dispatch=capacity"):
+        _fp8_model("grouped")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def _tiny_on(shard: str, dense_layers: int = 0):
                                           "mesh.shard": shard, "model.dense_layers": dense_layers})
 
 
-@pytest.mark.parametrize("shard, dense_layers", [("replicate", 0), ("optimizer", 0), ("full", 0), ("full", 1)])
+@pytest.mark.parametrize("shard, dense_layers", [("replicate", 0), ("optimizer", 0), ("rack", 0), ("full", 0), ("full", 1)])
 def test_the_state_it_counts_is_what_the_shardings_put_on_a_device(shard, dense_layers):
     cfg = _tiny_on(shard, dense_layers)
     shardings = state_shardings(cfg, mesh_lib.make_mesh(cfg.mesh))
@@ -69,7 +69,13 @@ def test_the_frontier_fits_its_rack_of_186_gb(monkeypatch, capsys):
     plan = json.loads(out)
     assert plan["fits"] is True and plan["total"] <= 186e9
     assert plan["rows_per_microbatch"] == 1 and plan["microbatches"] == 16
-    assert plan["comm_bytes"]["all_reduce_across_racks"] > 0 and plan["comm_seconds"]["all_to_all"] > 0
+    assert plan["mesh"]["shard"] == "rack"
+    assert plan["comm_bytes"]["all_reduce_across_racks"] > 0 and plan["comm_seconds"]["all_to_all_in_rack"] > 0
+    # Across racks only the gradient, once a step: the 2 (R - 1) / R ring all-reduce of one device's float32 shard
+    # (every parameter over the 64 of a rack), whatever the 16 microbatches; nothing else crosses.
+    shard = 4 * accounting.count_params(presets.get("frontier-535b").model).total / 64
+    assert plan["comm_bytes"]["all_reduce_across_racks"] == pytest.approx(2 * 10 / 11 * shard, rel=0.01)
+    assert plan["comm_bytes"]["all_gather_across_racks"] == 0
 
 
 def test_the_seed_layout_does_not_fit_and_the_plan_says_what_to_change(monkeypatch, capsys):
@@ -231,20 +237,25 @@ def test_bad_timing_input_exits_2_naming_the_flag(args, field, monkeypatch, caps
     assert field in err
 
 
-def test_the_optimizer_layout_sends_its_gradient_and_parameters_once_each():
-    """ZeRO-1: the gradient reduce-scattered and the new parameters all-gathered, each S (n - 1) / n bytes a
-    device (the review of 12-06 found the reduce-scatter counted n times over)."""
+def test_the_optimizer_layout_adds_one_gather_of_the_new_parameters_across_racks():
+    """ZeRO-1 over racks: the gradient moves as under `replicate` (once a step), and the new parameters, updated
+    where their moments are, are all-gathered over the whole mesh once: S (n - 1) / n bytes a device."""
     cfg = _tiny_on("optimizer")
-    comm = memory_plan.communication(cfg)
-    assert comm["reduce_scatter"] == comm["all_gather"] - memory_plan.communication(_tiny_on("replicate"))["all_gather"]
-    assert comm["reduce_scatter"] > 0
+    comm, plain = memory_plan.communication(cfg), memory_plan.communication(_tiny_on("replicate"))
+    assert {k: v for k, v in comm.items() if k != "all_gather_across_racks"} == \
+        {k: v for k, v in plain.items() if k != "all_gather_across_racks"}
+    assert comm["all_gather_across_racks"] > 0 == plain["all_gather_across_racks"]
 
 
 def test_dense_first_layers_are_in_the_gradient_the_optimizer_layout_sends():
     """`model.dense_layers` (issue 51): a dense block's parameters are non-expert parameters like attention's, so
-    ZeRO-1 reduce-scatters them with the rest: S (n - 1) / n bytes a device, S every parameter but the experts'."""
+    ZeRO-1 gathers them with the rest: S (n - 1) / n bytes a device, S every parameter but the experts' (here
+    every non-expert array has a dimension the 8 devices divide, so its moments split over the whole mesh)."""
     cfg = _tiny_on("optimizer", dense_layers=1)
     m = cfg.model
     experts = m.num_moe_layers * m.moe.num_experts * 3 * m.expert_input_dim * m.moe.expert_dim
     non_expert = 4 * (accounting.count_params(m).total - experts)  # float32
-    assert memory_plan.communication(cfg)["reduce_scatter"] == int(non_expert * 7 / 8)
+    split = memory_plan._param_bytes(cfg)
+    assert split.updated_whole == non_expert
+    experts_per_device = 4 * experts / 4  # their moments split over the 2 racks too: each device's quarter, halved
+    assert memory_plan.communication(cfg)["all_gather_across_racks"] == int(non_expert * 7 / 8 + experts_per_device / 2)

@@ -102,12 +102,12 @@ def test_microbatches_give_the_one_pass_update(replicated_run):
     quantiles, not the whole batch's (each slice bins its own margins), so the routing may differ by a
     bin from step 2; the losses of 3 steps still agree to 1e-5."""
     cfg = _cfg(**{"train.microbatches": 2, "mesh.shard": "full"})
-    # The microbatch path runs: the step scans 2 slices of [8, S + 1] tokens (a step that ignored
+    # The microbatch path runs: each device scans 2 slices of its [2, S + 1] rows (a step that ignored
     # train.microbatches would make this the full-vs-replicated check and still match the losses).
     mesh = mesh_lib.make_mesh(cfg.mesh)
     tokens = mesh_lib.place_batch(_batches(cfg, 1)[0], mesh)
     jaxpr = jax.make_jaxpr(make_train_step(cfg, mesh))(init_sharded_state(cfg, mesh), tokens).jaxpr
-    assert _scans_over(jaxpr, (2, 8, cfg.model.seq_len + 1)) == [2]
+    assert _scans_over(jaxpr, (2, 1, cfg.model.seq_len + 1)) == [2]
     losses, _, first_moments, router = _train(cfg, 3)
     ref_losses, _, ref_first_moments, ref_router = replicated_run
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -134,14 +134,19 @@ def test_a_checkpoint_saved_under_one_layout_restores_under_another(tmp_path):
 
 def test_layouts_split_the_state_as_documented():
     """Under `full` on 2 x 4: a non-expert matrix over "expert" (never its stacked layer axis), its Adam
-    moments over both axes where a dimension divides 8, an expert's moments over "replica" too; the router
-    bias and the step whole. Under `replicate` nothing but the experts."""
+    moments over both axes inside the device's own parameter shard (expert-major) where a dimension divides 8,
+    an expert's moments over "replica" too; the router bias and the step whole. Under `rack` the same
+    parameters, every moment over "expert" alone (whole on each rack). Under `replicate` nothing but the experts."""
     cfg = _cfg(**{"mesh.shard": "full"})
     mesh = mesh_lib.make_mesh(cfg.mesh)
     specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_leaves_with_path(state_shardings(cfg, mesh))}
     w_q = [v for k, v in specs.items() if k.endswith("['w_q']")]
     assert w_q[0] == PartitionSpec(None, "expert", None)  # params: [L, D=64, N*H=64]: the first of the largest dims
-    assert set(w_q[1:]) == {PartitionSpec(None, ("replica", "expert"), None)}  # mu, nu
+    assert set(w_q[1:]) == {PartitionSpec(None, ("expert", "replica"), None)}  # mu, nu
+    rack = state_shardings(_cfg(**{"mesh.shard": "rack"}), mesh)
+    assert all("replica" not in str(s.spec) for s in jax.tree.leaves(rack))
+    assert {s.spec for p, s in jax.tree_util.tree_leaves_with_path(rack)
+            if jax.tree_util.keystr(p).endswith("['w_q']")} == {PartitionSpec(None, "expert", None)}
     gate = [v for k, v in specs.items() if k.endswith("['w_gate']")]
     assert gate[0] == PartitionSpec(None, "expert", None, None)
     assert all("replica" in str(v) and "expert" in str(v) for v in gate[1:])
