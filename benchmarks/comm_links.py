@@ -28,10 +28,12 @@ def _parse_mesh(spec: str) -> tuple[int, int]:
     return int(fields.get("replica", 1)), int(fields.get("expert", 1))
 
 
-# XLA reads this once, when JAX starts: set it before the imports below (CPU only; GPUs ignore it).
-if __name__ == "__main__" and "--mesh" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# XLA reads this once, when JAX starts: set it before the imports below (CPU only; GPUs ignore it), replacing a count
+# inherited from a parent (the test suite's 8).
+if __name__ == "__main__" and "--mesh" in sys.argv:
     _r, _x = _parse_mesh(sys.argv[sys.argv.index("--mesh") + 1])
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_r * _x}".strip()
+    _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--xla_force_host_platform_device_count={_r * _x}"])
 
 import jax  # noqa: E402
 

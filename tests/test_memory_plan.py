@@ -42,8 +42,8 @@ def test_the_state_it_counts_is_what_the_shardings_put_on_a_device(shard, dense_
 @pytest.mark.slow
 def test_the_tiny_plan_is_within_10_percent_of_xla_on_8_devices():
     """`slow`: the real train step compiled on 8 simulated devices in a child process, ~10 s, and `make test`
-    is near its 8 minutes; the fast suite keeps the state count exact (above). Measured: -9.0%; the
-    collectives counted / compiled: all-to-all and all-gather 1.0, all-reduce 0.96."""
+    is near its 8 minutes; the fast suite keeps the state count exact (above). Measured: -7.2%; the
+    collectives counted / compiled: all-to-all, all-gather and reduce-scatter 1.0, all-reduce 0.9995."""
     row = load_benchmark("plan_vs_xla").measure("tiny")
     assert abs(row["plan_vs_xla"]) <= 0.10, row
     assert row["comm_bytes_compiled"]["all-to-all"] > 0  # the ep step's exchanges, read from its HLO
@@ -51,11 +51,12 @@ def test_the_tiny_plan_is_within_10_percent_of_xla_on_8_devices():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case, bound", [("ladder-d1024", 0.08), ("frontier-535b", 0.06)])
+@pytest.mark.parametrize("case, bound", [("ladder-d1024", 0.08), ("frontier-535b", 0.04)])
 def test_the_mid_size_and_frontier_plans_agree_with_xla(case, bound):
     """`slow`: compiles the 535B step on 64 simulated devices and a d1024 rung on 8 (~20 s each on 2 cores).
-    Measured: ladder-d1024 -6.3%, frontier-535b -4.0% (151.1 vs 157.4 GiB), and both under 186 GB; the
-    collectives counted / compiled: all-to-all and all-gather 1.0, all-reduce 0.997 and 0.9996."""
+    Measured (the per-device step of issue 58): ladder-d1024 -5.9%, frontier-535b -1.6% (162.3 vs 164.8 GB), and
+    both under 186 GB; the collectives counted / compiled: all-to-all, all-gather and reduce-scatter 1.0,
+    all-reduce 1.0008 and 1.0016."""
     row = load_benchmark("plan_vs_xla").measure(case)
     assert abs(row["plan_vs_xla"]) <= bound, row  # two points past what was measured: XLA's count is deterministic
     assert all(abs(ratio - 1) <= 0.02 for ratio in row["comm_counted_vs_compiled"].values()), row

@@ -444,7 +444,7 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
         solves = 1 + (moe.rebalance_iterations if moe.rebalance_steps else 0)
         hist = 4 * E * moe.hist_bins
         small += solves * 2 * 4 * E  # the ranges (pmax)
-        if X > 1 and R > 1 and E % X == 0:
+        if X > 1 and E % X == 0:  # `balancing.fair_share_quantile_hist`'s two stages
             out["reduce_scatter_in_rack"] += M * L * solves * ring(hist, X)
             out["all_reduce_across_racks"] += M * L * solves * 2 * ring(hist / X, R)
             out["all_gather_in_rack"] += M * L * solves * ring(4 * E, X)
