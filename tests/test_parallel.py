@@ -609,3 +609,28 @@ def test_on_two_racks_of_eight_too_only_the_gradient_crosses_once_a_step():
     for layout in ("rack", "full", "replicate"):
         assert result["checks"]["across_4_over_1"][f"{layout}/none"] <= 1.1
         assert all(r["across_racks_over_gradient_shard"] <= 2.2 for r in result["rows"] if r["layout"] == layout)
+
+
+@pytest.mark.slow
+def test_a_step_resumed_from_a_checkpoint_on_the_2x4_mesh_is_bitwise_the_uninterrupted_step(tmp_path):
+    """The per-device step under `rack` (the frontier's layout): state 1 saved, restored onto the mesh, stepped on
+    the same batch, gives bitwise the state the uninterrupted run reached (nothing in the step depends on more
+    than its state and its batch). `slow`: a step compile on 2x4 and an Orbax save, ~25 s on 2 cores; the fast
+    suite keeps the step's function (test_the_per_device_step_equals...) and resumes on one device
+    (test_faults.py)."""
+    cfg = override(presets.get("tiny"), {"model.seq_len": 16, "model.moe.dispatch": "ep", "mesh.replica": 2,
+                                         "mesh.expert": 4, "mesh.shard": "rack", "train.microbatches": 2})
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    step = make_train_step(cfg, mesh)
+    batches = [mesh_lib.place_batch(np.random.default_rng(i).integers(0, 256, (16, 17), dtype=np.int32), mesh)
+               for i in range(2)]
+    first, _ = step(init_sharded_state(cfg, mesh), batches[0])
+    checkpoints = Checkpointer(tmp_path, cfg.checkpoint)
+    checkpoints.save(1, first, {})
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), first)
+    restored = checkpoints.restore(1, like).state
+    checkpoints.close()
+    resumed, _ = step(restored, batches[1])
+    uninterrupted, _ = step(first, batches[1])
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -119,7 +119,7 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
                 "its own, silently, at a cost in step time. Raise XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9) or take "
                 "a tip below.")
     _print_advice(result)
-    comm = Table("per step, per device", "GB sent", "seconds", title="communication (the collectives XLA emits)")
+    comm = Table("per step, per device", "GB sent", "seconds", title="communication (the collectives of the compiled step)")
     for kind, size in result.comm.items():
         if size:
             comm.add_row(kind.replace("_", " "), f"{size / 1e9:,.1f}", f"{result.comm_seconds[kind]:,.2f}")
@@ -138,10 +138,16 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
         return
     out_console.print(
         f"[bold]time[/bold] on {timing['devices']} x {timing['device']} at MFU {timing['mfu']:.1%} ({timing['mfu_source']}): "
-        f"compute {timing['compute_seconds']:,.2f} s + communication {timing['communication_seconds']:,.2f} s a step; "
-        f"{timing['step_seconds']:,.2f} s without overlap, {timing['step_seconds_overlapped']:,.2f} s with full overlap. "
-        f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{_duration(timing['days'])}[/bold] "
-        f"({_duration(timing['days_overlapped'])} with full overlap).")
+        f"compute {timing['compute_seconds']:,.2f} s + communication {timing['in_rack_seconds']:,.2f} s in the rack and "
+        f"{timing['across_racks_seconds']:,.2f} s across racks: {timing['step_seconds']:,.2f} s a step without overlap. "
+        f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{_duration(timing['days'])}[/bold].")
+    if timing["step_seconds_overlapped"] < timing["step_seconds"]:
+        out_console.print(f"  with the overlap a compiled schedule shows: {timing['step_seconds_overlapped']:,.2f} s a "
+                          f"step, {_duration(timing['days_overlapped'])}.")
+    if timing["all_to_all_hideable_seconds"]:
+        out_console.print(f"  at most {timing['all_to_all_hideable_seconds']:,.2f} s of the all-to-all could hide behind "
+                          "the expert GEMMs of the next wave: a bound no compiled schedule has shown yet "
+                          "(docs/scaling-out.md, \"Overlap\").")
 
 
 def _print_advice(result) -> None:

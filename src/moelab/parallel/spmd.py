@@ -14,7 +14,8 @@ collectives are the ones written below:
 - over the whole mesh, small: the balancer's per-expert histogram and ranges, the load counts, the loss;
 - once a step, after the microbatches: the gradient. A leaf split over the rack is summed over "replica"
   alone; a whole one is reduce-scattered in the rack, all-reduced across racks in 1/X slices, and
-  all-gathered back in the rack, so what crosses racks is one gradient shard whatever `train.microbatches`.
+  all-gathered back in the rack, so what crosses racks is one gradient shard whatever `train.microbatches`
+  (in the compute dtype: a bfloat16 run sends half the bytes).
 
 Each device differentiates its own loss (its parameters cast to "varying" first, so the gradient is its own
 and not summed per microbatch); the step's loss is the mean of equal slices, so its gradient is the sum of
@@ -103,27 +104,36 @@ def layer_gather(param_specs: dict[str, Any], experts_local: bool,
     return lambda layer: gather_split(layer, names, experts_local, compute_dtype)
 
 
-def _reduce_leaf(grad: jax.Array, spec: P, mesh_shape: dict[str, int]) -> jax.Array:
+def _sum_over(x: jax.Array, axes: tuple[str, ...], mesh_shape: dict[str, int], across_dtype: jnp.dtype) -> jax.Array:
+    """`psum` over `axes`; in `across_dtype` when they span racks (more than one "replica"), back in x's dtype."""
+    if mesh_shape.get("replica", 1) > 1 and "replica" in axes:
+        return jax.lax.psum(x.astype(across_dtype), axes).astype(x.dtype)
+    return jax.lax.psum(x, axes)
+
+
+def _reduce_leaf(grad: jax.Array, spec: P, mesh_shape: dict[str, int], across_dtype: jnp.dtype) -> jax.Array:
     """The sum over the mesh of one gradient leaf, with what crosses racks kept to one shard (module docstring)."""
     axes = tuple(a for a in mesh_shape if a not in named_axes(spec))
     if not axes:
         return grad
     if RACK not in axes or mesh_shape[RACK] == 1 or len(axes) == 1:
-        return jax.lax.psum(grad, axes)
+        return _sum_over(grad, axes, mesh_shape, across_dtype)
     # Whole on every device: reduce-scatter in the rack, all-reduce the slice across racks, all-gather it back.
     X = mesh_shape[RACK]
     flat = grad.reshape(-1)
     padded = jnp.pad(flat, (0, -flat.size % X))
     part = jax.lax.psum_scatter(padded, RACK, scatter_dimension=0, tiled=True)
-    part = jax.lax.psum(part, tuple(a for a in axes if a != RACK))
+    part = _sum_over(part, tuple(a for a in axes if a != RACK), mesh_shape, across_dtype)
     whole = jax.lax.all_gather(part, RACK, axis=0, tiled=True, to="invarying")
     return whole[:flat.size].reshape(grad.shape)
 
 
-def reduce_gradients(grads: Any, specs: Any, mesh: Mesh) -> Any:
-    """Each device's gradients summed over the mesh, once, each leaf left laid out as `specs` says."""
+def reduce_gradients(grads: Any, specs: Any, mesh: Mesh, across_dtype: jnp.dtype = jnp.float32) -> Any:
+    """Each device's gradients summed over the mesh, once, each leaf left laid out as `specs` says. Inside a rack in
+    float32; across racks in `across_dtype` (the step's compute dtype: a bfloat16 run sends half the bytes over the
+    network, as Megatron's data-parallel reduction does by default), summed back into float32."""
     shape = dict(mesh.shape)
-    return jax.tree.map(lambda g, s: _reduce_leaf(g, s, shape), grads, specs,
+    return jax.tree.map(lambda g, s: _reduce_leaf(g, s, shape, across_dtype), grads, specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -139,7 +149,7 @@ def mean_over_devices(value: jax.Array) -> jax.Array:
 
 
 def per_device_value_and_grad(loss_fn: Callable, mesh: Mesh, specs: Any, microbatches: int,
-                              accumulate: Callable) -> Callable:
+                              accumulate: Callable, across_dtype: jnp.dtype = jnp.float32) -> Callable:
     """`(params, tokens [B, S+1], shared) -> ((loss, aux), grads)` for the whole step, run per device.
 
     Args:
@@ -149,6 +159,7 @@ def per_device_value_and_grad(loss_fn: Callable, mesh: Mesh, specs: Any, microba
         specs: the params' `PartitionSpec`s; the gradients come out laid out the same.
         accumulate: `(loss_fn, params, rows, microbatches) -> ((loss, aux), grads)`, the microbatch loop
             (`moelab.train.loop.accumulate_gradients`), run on this device's rows.
+        across_dtype: the dtype the gradient crosses racks in (`reduce_gradients`).
 
     Returns:
         The step's mean loss, its aux (counts summed over the devices inside the model; every other value
@@ -159,7 +170,7 @@ def per_device_value_and_grad(loss_fn: Callable, mesh: Mesh, specs: Any, microba
             lambda p: jax.lax.pcast(p, tuple(a for a in mesh.axis_names if a not in varying_axes(p)), to="varying"),
             params)
         (loss, aux), grads = accumulate(lambda p, rows: loss_fn(p, rows, shared), varying, tokens, microbatches)
-        grads = jax.tree.map(lambda g: g / mesh.size, reduce_gradients(grads, specs, mesh))
+        grads = jax.tree.map(lambda g: g / mesh.size, reduce_gradients(grads, specs, mesh, across_dtype))
         aux = {k: mean_over_devices(v) for k, v in aux.items() if k != "ce_per_row"}
         return (mean_over_devices(loss), aux), grads
 

@@ -56,7 +56,7 @@ from moelab.train.schedule import learning_rate
 from moelab.train.state import (TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings,
                                 weights_sha256)
 
-__all__ = ["Hooks", "Watcher", "Preempted", "accumulate_gradients", "loss_and_grad", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
+__all__ = ["Hooks", "Watcher", "Preempted", "accumulate_gradients", "loss_and_grad", "make_train_step", "moe_drops", "make_eval_step", "evaluate", "prepare_corpus",
            "config_changes", "check_resumable", "run_platform", "train"]
 
 def _mesh(cfg: RunConfig, mesh: Mesh | None) -> Mesh | None:
@@ -130,7 +130,8 @@ def loss_and_grad(cfg: RunConfig, mesh: Mesh | None = None) -> Callable:
     dispatch = build_moe(cfg.model, mesh, "train")
     if dispatch.token_axes:
         loss_fn, specs = _per_device_loss(cfg, mesh, dispatch)
-        return spmd.per_device_value_and_grad(loss_fn, mesh, specs, cfg.train.microbatches, accumulate_gradients)
+        return spmd.per_device_value_and_grad(loss_fn, mesh, specs, cfg.train.microbatches, accumulate_gradients,
+                                              across_dtype=compute_dtype(cfg))
     dtype = compute_dtype(cfg)
 
     def value_and_grad(params, tokens, shared):
@@ -439,7 +440,8 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     `moelab.ladder.on_track.load_on_track(PRED.csv)` each eval is checked against the predicted 95% band,
     and two misses in a row are an `off_track` incident. Returns the summary: final `step`, `loss`,
     `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s` (after
-    the first step), `compile_s` (the first step), `incidents`. Raises Preempted on SIGTERM / SIGINT.
+    the first step), `compile_s` (the first step), `incidents`, `moe_drops` (what the MoE blocks drop in training,
+    in the evals and in the samples: `moe_drops`). Raises Preempted on SIGTERM / SIGINT.
 
     On a multi-host run every process trains, evaluates, saves checkpoints (Orbax coordinates
     `checkpoints/`) and returns the same summary, but only process 0 writes the other files and
@@ -723,4 +725,15 @@ def _summary(cfg: RunConfig, start: _Start, state: TrainState, record: dict, las
         # made them (a rerun elsewhere is held to the run-to-run noise instead).
         "params_sha256": weights_sha256(state),
         "platform": run_platform(),
+        "moe_drops": moe_drops(cfg),
     }
+
+
+def moe_drops(cfg: RunConfig) -> dict[str, str]:
+    """What each purpose's MoE blocks drop, in words (`moe.Dispatch.drops`): the training steps, the evaluations
+    behind `eval/*` (the training capacity: the model as it trains) and the in-loop samples (no token dropped).
+    Read off the config (the mesh only adds the axes a block's tokens are split over), so no device is needed."""
+    m = cfg.model.moe
+    training = Dispatch(m.dispatch, capacity_factor=m.capacity_factor if m.dispatch in ("capacity", "ep") else None)
+    return {"train": training.drops, "eval": training.drops,
+            "samples": build_moe(cfg.model, purpose="decode").drops}

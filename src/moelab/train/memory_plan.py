@@ -399,7 +399,8 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
       (again in its recomputed forward under remat; a matrix in the compute dtype) and its gradient reduce-scattered
       (float32); the embedding and head gathered once a step (XLA hoists that out of the microbatch loop).
     - the gradient, once a step: a leaf split over the rack all-reduced across racks as it is held (1/X); a whole
-      one reduce-scattered in the rack, all-reduced across racks in 1/X slices and all-gathered back.
+      one reduce-scattered in the rack, all-reduced across racks in 1/X slices and all-gathered back. In the rack
+      in float32, across racks in the compute dtype.
     - `optimizer` and `full` split moments over the racks too: the new parameters all-gathered across racks, once.
     - small, each microbatch: the balancer's histogram (reduce-scattered by expert in the rack, summed across racks
       in 1/X slices), its ranges, and the load and drop counts.
@@ -415,10 +416,10 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     if n == 1:
         return {key: 0 for key in COMM_KEYS}
     g = _param_bytes(cfg, platform)
+    itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize  # XLA on CPU moves 16-bit as 32
     if moe.dispatch == "ep" and X > 1:
         W = moe.num_waves
         P = exchange.pool_size(tokens, k, X, E // X, W, moe.transport_factor)
-        itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize
         rows = (3 if remat else 2) * 2 * X * P * model.expert_input_dim * itemsize
         ids = (2 if remat else 1) * X * P * 4
         out["all_to_all_in_rack"] += M * L * W * ring(rows + ids, X)
@@ -426,16 +427,19 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     # The top's gather reads no microbatch: XLA hoists it out of the microbatch loop, once a step.
     out["all_gather_in_rack"] += M * ring((1 + remat) * blocks_read, X) + ring(g.top_read, X)
     out["reduce_scatter_in_rack"] += M * ring(blocks_split + g.top_split, X)  # float32
-    # The gradient, once a step.
+    # The gradient, once a step: across racks in the compute dtype (float32 bytes above, as held).
+    across = itemsize / 4
     held = (blocks_split + g.top_split + L * g.experts) / X
-    out["all_reduce_across_racks"] += 2 * ring(held, R)
+    out["all_reduce_across_racks"] += 2 * ring(held, R) * across
     whole = L * g.layer_whole + Ld * g.dense_whole + g.top_whole
     if X > 1 and R > 1:
         out["reduce_scatter_in_rack"] += ring(whole, X)
-        out["all_reduce_across_racks"] += 2 * ring(whole / X, R)
+        out["all_reduce_across_racks"] += 2 * ring(whole / X, R) * across
         out["all_gather_in_rack"] += ring(whole, X)
+    elif R == 1:
+        out["all_reduce_in_rack"] += 2 * ring(whole, n)
     else:
-        out["all_reduce_in_rack" if R == 1 else "all_reduce_across_racks"] += 2 * ring(whole, n)
+        out["all_reduce_across_racks"] += 2 * ring(whole, n) * across
     # `optimizer` / `full`: the update is computed where the moments are, and the new parameters shared back.
     out["all_gather_across_racks"] += ring(g.updated_whole, n) + ring(g.updated_split, R)
     # The balancer and the statistics, each microbatch and MoE layer.
