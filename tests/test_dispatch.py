@@ -348,7 +348,6 @@ def test_grouped_dispatch_needs_widths_that_are_multiples_of_16():
 def test_dropless_on_a_gpu_is_refused_naming_grouped(monkeypatch):
     """Issue 39: on the H200, `dropless` (ragged_dot's dense GPU fallback) asked for 112.5 GiB and crashed
     out of memory; it is now refused before anything is compiled, naming the fast dropless path."""
-    from moelab.config import MoEConfig
     from moelab.errors import ConfigError
     cfg = tiny_model(moe={"dispatch": "dropless"})
     assert moe.build_moe(cfg).backend == "dropless"  # on this CPU it runs

@@ -1,7 +1,6 @@
 """`moelab eval`: loss, perplexity and bits per byte per domain agree with the model's own loss, every token
 is scored once, and bad input exits 2."""
 
-import dataclasses
 import json
 import math
 

@@ -25,7 +25,7 @@ from moelab.config import MeshConfig, ModelConfig, load_yaml, override
 from moelab.errors import ConfigError
 from moelab.data.mixture import phase_at, sample_batch
 from moelab.model import dispatch as dispatch_lib
-from moelab.model import exchange, moe, transformer
+from moelab.model import exchange, moe
 from moelab.model.router import route
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib

@@ -175,7 +175,6 @@ def _rack_axis(axis_name: str | tuple[str, ...] | None, num_experts: int) -> str
 def _quantile_from_counts(counts: jax.Array, k: int, num_experts: int, lo: jax.Array, hi: jax.Array,
                           width: jax.Array) -> jax.Array:
     """`fair_share_quantile_hist`'s estimate for the experts whose summed histograms are `counts` [e, B]."""
-    num_bins = counts.shape[1]
     # Counts stay int32 until here (exact under psum: at most the global token count per bin).
     at_or_above = jnp.cumsum(counts[:, ::-1], axis=-1)[:, ::-1].astype(jnp.float32)  # [E, B]: in bin b or higher
     q = at_or_above[:, 0] * (k / num_experts)  # [E]: m k / E
