@@ -105,8 +105,8 @@ def build_moe(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, purpose: 
 
     - `train` and `eval`: `cfg.moe.dispatch` at `cfg.moe.capacity_factor`. On a mesh the block runs per device inside
       the step's `shard_map`, its tokens a slice over every mesh axis; `ep` needs the mesh (its experts are split
-      over "expert"). Evaluation keeps the training capacity, so `eval/mean` is the model as it trains; its drops
-      are logged beside it (`eval/drop_fraction`).
+      over "expert"). Evaluation keeps the training capacity, so `eval/mean` is the model as it trains (a run's
+      summary says so: `moelab.train.loop.moe_drops`).
     - `decode`: one device, no token dropped: `dropless`, or on a GPU `grouped` (`dropless` has no fast kernel
       there). FP8 on a GPU has no grouped kernel: there it is `capacity` with room for every row (C = T: [E, T, D]
       buffers), and it warns so.

@@ -1,7 +1,7 @@
 """The train step's per-device program: the loss and its gradient under one `shard_map` over the mesh.
 
-    value_and_grad = per_device_value_and_grad(loss_fn, mesh, specs, microbatches)
-    (loss, aux), grads = value_and_grad(params, tokens)      # under jit; grads laid out as `specs`
+    value_and_grad = per_device_value_and_grad(loss_fn, mesh, specs, microbatches, accumulate_gradients)
+    (loss, aux), grads = value_and_grad(params, tokens, (router_bias, rebalance))   # under jit; grads as `specs`
 
 The layout rule of a rack-scale run (architecture §3): expert parallelism inside a rack, racks data-parallel,
 and across racks only gradients, once a step. Left to XLA's partitioner, the step broke it twice: `top_k` is
