@@ -72,10 +72,14 @@ def test_the_frontier_fits_its_rack_of_186_gb(monkeypatch, capsys):
     assert plan["rows_per_microbatch"] == 1 and plan["microbatches"] == 16
     assert plan["mesh"]["shard"] == "rack"
     assert plan["comm_bytes"]["all_reduce_across_racks"] > 0 and plan["comm_seconds"]["all_to_all_in_rack"] > 0
-    # Across racks only the gradient, once a step: the 2 (R - 1) / R ring all-reduce of one device's shard (every
-    # parameter over the 64 of a rack) in bfloat16, the compute dtype, whatever the 16 microbatches.
-    shard = 2 * accounting.count_params(presets.get("frontier-535b").model).total / 64
+    # Across racks only the gradient, once a step: the 2 (R - 1) / R ring all-reduce of one device's float32 shard
+    # (every parameter over the 64 of a rack), whatever the 16 microbatches; in bfloat16 if asked, half.
+    shard = 4 * accounting.count_params(presets.get("frontier-535b").model).total / 64
     assert plan["comm_bytes"]["all_reduce_across_racks"] == pytest.approx(2 * 10 / 11 * shard, rel=0.01)
+    halved = memory_plan.communication(override(presets.get("frontier-535b"), {"train.grad_reduce_dtype": "bfloat16"}))
+    assert halved["all_reduce_across_racks"] == pytest.approx(plan["comm_bytes"]["all_reduce_across_racks"] / 2, rel=1e-3)
+    assert {k: v for k, v in halved.items() if k != "all_reduce_across_racks"} == \
+        {k: v for k, v in plan["comm_bytes"].items() if k != "all_reduce_across_racks"}
     assert plan["comm_bytes"]["all_gather_across_racks"] == 0
 
 

@@ -634,3 +634,31 @@ def test_a_step_resumed_from_a_checkpoint_on_the_2x4_mesh_is_bitwise_the_uninter
     uninterrupted, _ = step(first, batches[1])
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("across", ["float32", "bfloat16"])
+def test_the_gradient_reduction_sums_every_devices_leaf_once_whole_or_split_in_either_dtype(across):
+    """`spmd.reduce_gradients` on 2 racks of 4, each device holding its own values: a whole leaf whose size the rack
+    does not divide (reduce-scatter of the padded flat leaf, all-reduce of the slices across racks, all-gather back)
+    and a leaf split over the rack (all-reduce across racks as held) both come out as the sum over the devices that
+    share them. float32 is exact here (small integers); bfloat16 across racks rounds each partial sum (bound:
+    bfloat16's 2^-8 relative)."""
+    from moelab.parallel import spmd
+
+    mesh = mesh_lib.make_mesh(MESHES["2x4"])
+    specs = {"whole": PartitionSpec(), "split": PartitionSpec("expert")}
+    rows = PartitionSpec(mesh_lib.BATCH_AXES)
+
+    def local(whole, split):  # [1, 6, 5] and [1, 2, 3]: this device's gradients
+        grads = {"whole": whole[0], "split": split[0]}
+        return spmd.reduce_gradients(grads, specs, mesh, jnp.dtype(across))
+
+    whole = np.arange(8 * 6 * 5, dtype=np.float32).reshape(8, 6, 5) % 7 + 1
+    split = np.arange(8 * 2 * 3, dtype=np.float32).reshape(8, 2, 3) % 5 + 1
+    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(rows, rows),
+                                out_specs={"whole": PartitionSpec(), "split": PartitionSpec("expert")}))(whole, split)
+    # device d = (rack r, position x); a split leaf's slice x is summed over the racks only
+    want_split = split.reshape(2, 4, 2, 3).sum(0).reshape(8, 3)
+    bound = 0.0 if across == "float32" else 2.0 ** -8
+    np.testing.assert_allclose(np.asarray(got["whole"]), whole.sum(0), rtol=bound)
+    np.testing.assert_allclose(np.asarray(got["split"]), want_split, rtol=bound)

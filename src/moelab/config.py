@@ -478,6 +478,10 @@ class TrainConfig:
     # Adam's two moments as stored between steps; the update itself is computed in float32. bfloat16 halves the
     # optimizer state (DeepSeek-V3 trained with bfloat16 moments, reporting no loss of quality).
     moment_dtype: str = "float32"
+    # The dtype the gradient crosses racks in, once a step (`parallel.spmd.reduce_gradients`; inside a rack it is
+    # always float32). float32 is what Megatron and FSDP recipes reduce bf16 runs in; bfloat16 halves the network
+    # bytes, each partial sum of the ring rounded to bfloat16 on the way.
+    grad_reduce_dtype: str = "float32"
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
@@ -506,6 +510,7 @@ class TrainConfig:
         _check(self.grad_clip > 0, p + "grad_clip", self.grad_clip, "must be > 0")
         _one_of(p + "compute_dtype", self.compute_dtype, DTYPES)
         _one_of(p + "moment_dtype", self.moment_dtype, DTYPES)
+        _one_of(p + "grad_reduce_dtype", self.grad_reduce_dtype, DTYPES)
 
 
 SHARD_LAYOUTS = ("replicate", "optimizer", "rack", "full")  # what of the train state is split over the mesh (`parallel.mesh`)

@@ -15,7 +15,7 @@ collectives are the ones written below:
 - once a step, after the microbatches: the gradient. A leaf split over the rack is summed over "replica"
   alone; a whole one is reduce-scattered in the rack, all-reduced across racks in 1/X slices, and
   all-gathered back in the rack, so what crosses racks is one gradient shard whatever `train.microbatches`
-  (in the compute dtype: a bfloat16 run sends half the bytes).
+  (in `train.grad_reduce_dtype`: float32, or bfloat16 for half the bytes).
 
 Each device differentiates its own loss (its parameters cast to "varying" first, so the gradient is its own
 and not summed per microbatch); the step's loss is the mean of equal slices, so its gradient is the sum of
@@ -130,8 +130,8 @@ def _reduce_leaf(grad: jax.Array, spec: P, mesh_shape: dict[str, int], across_dt
 
 def reduce_gradients(grads: Any, specs: Any, mesh: Mesh, across_dtype: jnp.dtype = jnp.float32) -> Any:
     """Each device's gradients summed over the mesh, once, each leaf left laid out as `specs` says. Inside a rack in
-    float32; across racks in `across_dtype` (the step's compute dtype: a bfloat16 run sends half the bytes over the
-    network, as Megatron's data-parallel reduction does by default), summed back into float32."""
+    float32; across racks in `across_dtype` (`train.grad_reduce_dtype`: bfloat16 sends half the bytes over the
+    network, each partial sum rounded to it), back in float32."""
     shape = dict(mesh.shape)
     return jax.tree.map(lambda g, s: _reduce_leaf(g, s, shape, across_dtype), grads, specs,
                         is_leaf=lambda x: isinstance(x, P))

@@ -131,7 +131,7 @@ def loss_and_grad(cfg: RunConfig, mesh: Mesh | None = None) -> Callable:
     if dispatch.token_axes:
         loss_fn, specs = _per_device_loss(cfg, mesh, dispatch)
         return spmd.per_device_value_and_grad(loss_fn, mesh, specs, cfg.train.microbatches, accumulate_gradients,
-                                              across_dtype=compute_dtype(cfg))
+                                              across_dtype=jnp.dtype(cfg.train.grad_reduce_dtype))
     dtype = compute_dtype(cfg)
 
     def value_and_grad(params, tokens, shared):
@@ -295,6 +295,7 @@ RESUME_SAFE = ("name", "train.steps", "train.log_every", "train.eval_every", "tr
                "train.mixture_snapshot_every",
                "data.store",  # a moved or copied store: its content hash is checked against the checkpoint's
                "train.microbatches",  # how the same batch is cut for memory; the update is the same to rounding
+               "train.grad_reduce_dtype",  # how the gradient crosses racks; the update is the same to its rounding
                "checkpoint.", "monitor.", "plan.", "mesh.")
 
 

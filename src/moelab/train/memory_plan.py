@@ -400,7 +400,7 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
       (float32); the embedding and head gathered once a step (XLA hoists that out of the microbatch loop).
     - the gradient, once a step: a leaf split over the rack all-reduced across racks as it is held (1/X); a whole
       one reduce-scattered in the rack, all-reduced across racks in 1/X slices and all-gathered back. In the rack
-      in float32, across racks in the compute dtype.
+      in float32, across racks in `train.grad_reduce_dtype`.
     - `optimizer` and `full` split moments over the racks too: the new parameters all-gathered across racks, once.
     - small, each microbatch: the balancer's histogram (reduce-scattered by expert in the rack, summed across racks
       in 1/X slices), its ranges, and the load and drop counts.
@@ -427,8 +427,8 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     # The top's gather reads no microbatch: XLA hoists it out of the microbatch loop, once a step.
     out["all_gather_in_rack"] += M * ring((1 + remat) * blocks_read, X) + ring(g.top_read, X)
     out["reduce_scatter_in_rack"] += M * ring(blocks_split + g.top_split, X)  # float32
-    # The gradient, once a step: across racks in the compute dtype (float32 bytes above, as held).
-    across = itemsize / 4
+    # The gradient, once a step: across racks in `train.grad_reduce_dtype` (the bytes above are float32, as held).
+    across = 1.0 if platform == "cpu" else jnp.dtype(cfg.train.grad_reduce_dtype).itemsize / 4
     held = (blocks_split + g.top_split + L * g.experts) / X
     out["all_reduce_across_racks"] += 2 * ring(held, R) * across
     whole = L * g.layer_whole + Ld * g.dense_whole + g.top_whole
