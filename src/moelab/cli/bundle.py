@@ -31,8 +31,6 @@ from moelab.lab.ledger import open_ledger
 
 __all__ = ["export", "verify_bundle_command", "reproduce"]
 
-BundleArg = Annotated[Path, typer.Argument(help="A bundle from `moelab lab export`: its folder or .tar.gz.",
-                                           show_default=False)]
 
 
 def export(

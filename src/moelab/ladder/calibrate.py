@@ -54,7 +54,6 @@ MAX_SPLITS = 3  # leave-size-out refits: the largest sizes, each from all smalle
 HORIZON_GAP = 0.75  # leave-horizon-out fits on runs ending at most this share of the longest horizon's tokens
 _SAME_HORIZON = 0.9  # runs ending within this share of the longest horizon are held out with it
 _SCORED_FROM = 0.1  # held-out rows are scored past this share of the run's tokens (`bands.score`)
-LEVELS = (0.8, 0.95)  # the band coverages widened
 
 
 @dataclass(frozen=True, eq=False)

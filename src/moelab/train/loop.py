@@ -56,7 +56,7 @@ from moelab.train.schedule import learning_rate
 from moelab.train.state import (TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings,
                                 weights_sha256)
 
-__all__ = ["Hooks", "Watcher", "Preempted", "accumulate_gradients", "loss_and_grad", "make_train_step", "moe_drops", "make_eval_step", "evaluate", "prepare_corpus",
+__all__ = ["Hooks", "Watcher", "accumulate_gradients", "loss_and_grad", "make_train_step", "moe_drops", "make_eval_step", "evaluate", "prepare_corpus",
            "config_changes", "check_resumable", "run_platform", "train"]
 
 def _mesh(cfg: RunConfig, mesh: Mesh | None) -> Mesh | None:
