@@ -18,7 +18,7 @@ import contextlib
 import json
 import tempfile
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Iterator
 
 import typer
 from rich.table import Table
