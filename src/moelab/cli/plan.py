@@ -64,7 +64,7 @@ def plan(
         run_length.check_mfu(mfu)
     if peak_flops is not None:
         run_length.check_peak_flops(peak_flops)
-    default = chip or memory_plan.Links()  # the device's links, else a GB200 rack's and 400 Gb/s InfiniBand
+    default = chip.links if chip else memory_plan.Links()  # the device's, else a GB200 rack's and 400 Gb/s InfiniBand
     links = memory_plan.Links(
         nvlink=memory_plan.parse_bytes(nvlink.removesuffix("/s"), "--nvlink") if nvlink else default.nvlink,
         network=memory_plan.parse_bytes(network.removesuffix("/s"), "--network") if network else default.network)

@@ -388,6 +388,12 @@ def _param_bytes(cfg: RunConfig, platform: str = "gpu") -> ParamBytes:
     return ParamBytes(**{name: int(sums[name]) for name in ParamBytes._fields})
 
 
+def ring(size: float, group: int) -> float:
+    """Bytes one device sends to pass `size` bytes around a ring of `group` devices: size (group - 1) / group. The
+    one formula behind every count here (an all-reduce sends it twice: a reduce-scatter and an all-gather)."""
+    return size * (group - 1) / group if group > 1 else 0.0
+
+
 def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     """Bytes one device sends per step, by collective and link: `<kind>_in_rack` over the rack's links, `<kind>_across_racks`
     over the network. What the per-device step (`moelab.parallel.spmd`) emits, compiled (`collective_bytes_by_link`;
@@ -411,7 +417,6 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     L, Ld, E, k = model.num_moe_layers, model.dense_layers, moe.num_experts, moe.num_experts_per_token
     tokens = _rows_per_microbatch(cfg) * model.seq_len  # one device's, one microbatch
     remat = model.remat != "none"
-    ring = lambda size, group: size * (group - 1) / group if group > 1 else 0.0  # noqa: E731  (what one device sends)
     out = Counter()
     if n == 1:
         return {key: 0 for key in COMM_KEYS}
@@ -604,9 +609,8 @@ def _wire_bytes(kind: str, result: int, n: int) -> float:
     (ring algorithms: an all-reduce is a reduce-scatter and an all-gather)."""
     if n <= 1:
         return 0
-    return {"all-to-all": result * (n - 1) / n, "all-gather": result * (n - 1) / n,
-            "reduce-scatter": result * (n - 1), "all-reduce": 2 * result * (n - 1) / n,
-            "collective-permute": result}[kind]
+    return {"all-to-all": ring(result, n), "all-gather": ring(result, n), "reduce-scatter": ring(result * n, n),
+            "all-reduce": 2 * ring(result, n), "collective-permute": result}[kind]
 
 
 def collective_bytes(hlo: str, num_devices: int) -> dict[str, int]:

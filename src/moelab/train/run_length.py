@@ -1,8 +1,8 @@
 """How long a run takes: its step time on a stated device, and its days for the config's token budget.
 
     device = run_length.DEVICES["h200"]
-    links = memory_plan.Links(nvlink=device.nvlink, network=device.network)
-    estimate = run_length.estimate(cfg, memory_plan.plan(cfg, device.hbm, links=links), device.peak_flops, 0.319, "given")
+    estimate = run_length.estimate(cfg, memory_plan.plan(cfg, device.hbm, links=device.links), device.peak_flops, 0.319,
+                                   "given")
     estimate["step_seconds"], estimate["days"]
 
 The compute is the config's training FLOPs per step (`accounting.flops_per_token`) split over the mesh,
@@ -22,6 +22,7 @@ from typing import Any
 from moelab import accounting
 from moelab.config import RunConfig
 from moelab.errors import ConfigError
+from moelab.train.memory_plan import Links
 
 __all__ = ["Device", "DEVICES", "MEASURED_MFU", "SHOWN_OVERLAP", "device_named", "check_mfu", "check_peak_flops", "estimate"]
 
@@ -30,22 +31,21 @@ DAY = 86_400.0
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator by its datasheet: dense bf16 FLOP/s, HBM bytes, and link bandwidths one way per second."""
+    """One accelerator by its datasheet: dense bf16 FLOP/s, HBM bytes, and its links (`memory_plan.Links`)."""
 
     name: str
     peak_flops: float
     hbm: int
-    nvlink: float
-    network: float = 50e9  # 400 Gb/s InfiniBand (or Ethernet) per GPU
+    links: Links
 
 
 DEVICES = {
-    # NVLink 4: 900 GB/s both ways per GPU; 80 GB HBM3.
-    "h100": Device("NVIDIA H100 SXM", 989e12, 80 * 10**9, 450e9),
+    # NVLink 4: 900 GB/s both ways per GPU; 80 GB HBM3; 400 Gb/s InfiniBand per GPU between nodes.
+    "h100": Device("NVIDIA H100 SXM", 989e12, 80 * 10**9, Links(nvlink=450e9)),
     # The same GH100 chip with 141 GB of HBM3e.
-    "h200": Device("NVIDIA H200 SXM", 989e12, 141 * 10**9, 450e9),
+    "h200": Device("NVIDIA H200 SXM", 989e12, 141 * 10**9, Links(nvlink=450e9)),
     # One Blackwell GPU of a GB200 NVL72 rack: NVLink 5 (1.8 TB/s both ways), 13.4 TB of HBM3e over 72 GPUs.
-    "gb200": Device("NVIDIA GB200 (one B200 GPU of an NVL72 rack)", 2.5e15, 186 * 10**9, 900e9),
+    "gb200": Device("NVIDIA GB200 (one B200 GPU of an NVL72 rack)", 2.5e15, 186 * 10**9, Links(nvlink=900e9)),
 }
 
 # The newest train-step MFU measured per device kind (of the datasheet peak), and its source. The H100 is
