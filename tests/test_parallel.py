@@ -172,8 +172,9 @@ _step_references: dict = {}
 # (backend, mesh, microbatches, layout): `ep` on both racks at one and four microbatches under the layouts that
 # gather (rack, full) or not (replicate, optimizer), and single-device backends under `replica` alone. All `slow`
 # (a step compile and a dense reference each, ~25 s on 2 cores, and `make test` is past 7 of its 8 minutes): the
-# fast suite keeps the per-device step's function in tests/test_sharded_state.py (every layout's losses on 2 x 4
-# against the replicated run's, to 1e-5) and `ep`'s layer against `dense` here, outputs and every gradient.
+# fast suite keeps the per-device step under `full` at two microbatches against the replicated one-microbatch
+# step (tests/test_sharded_state.py: losses and Adam's first moments to 1e-5), `ep`'s layer per device against
+# `dense` here (outputs and every gradient), and the gradient reduction's sums (below).
 _STEP_GRID = [pytest.param(*case, marks=pytest.mark.slow) for case in [
     ("ep", "2x4", 4, "rack"), ("capacity", "8x1", 4, "replicate"), ("ep", "2x4", 1, "replicate"),
     ("ep", "1x8", 4, "full"), ("dropless", "8x1", 1, "optimizer")]]
