@@ -81,7 +81,7 @@ def router_settings(moe: MoEConfig) -> list[tuple[str, str, object]]:
             ("capacity_factor", "capacity factor", moe.capacity_factor if moe.dispatch in ("capacity", "ep")
              else f"none ({moe.dispatch} drops nothing)")]
     if moe.dispatch == "ep":
-        rows += [("transport_factor", "transport capacity factor (sender pools)", moe.transport_factor),
+        rows += [("transport_capacity_factor", "transport capacity factor (sender pools)", moe.transport_factor),
                  ("num_waves", "all-to-all waves", moe.num_waves)]
     rows.append(("balancing", "balancing rule", moe.balancing))
     for knob, value in moe.balancer_settings.items():
