@@ -29,7 +29,7 @@ through the same all_to_alls (the op is linear; its transpose is the reverse exc
 With capacity large enough to drop nothing, the result equals `moelab.model.dispatch.dense` in
 outputs and gradients (tests/test_parallel.py). The code here names a mesh axis but holds no mesh: it runs
 inside the train step's `shard_map` (`moelab.parallel.spmd`), where every device routes its own tokens, so
-it lives with the model; `moelab.model.dispatch.build_moe` binds its sizes.
+it lives with the model; `moelab.model.moe.Dispatch` sizes its pools and buffers for the device's rows.
 """
 
 from __future__ import annotations
@@ -42,12 +42,9 @@ import jax.numpy as jnp
 from moelab.model.dispatch import expert_capacity, swiglu_buffers
 from moelab.model.rows import take_rows
 
-__all__ = ["exchange", "pool_size", "receiver_capacity", "receiver_slots", "COUNTERS"]
+__all__ = ["exchange", "pool_size", "receiver_capacity", "receiver_slots"]
 
 Experts = dict[str, jax.Array]  # w_gate [E, Din, F], w_up [E, Din, F], w_down [E, F, Din]
-
-# Per-device drop counters, summed over the mesh into the stats of the same names.
-COUNTERS = ("dropped_at_sender", "dropped_at_receiver", "kept")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,7 +169,7 @@ def exchange(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One device's part of the expert-parallel dispatch, inside a `shard_map` whose experts are split over "expert":
     [T, Din] this device's rows -> [T, Din] their combined expert outputs, and this device's drop counters
-    (`COUNTERS`; `moelab.model.moe.Dispatch` sums them over the mesh)."""
+    (`dropped_at_sender`, `dropped_at_receiver`, `kept`; `moelab.model.moe.Dispatch` sums them over the mesh)."""
     T, k = expert_idx.shape
     Din = h.shape[-1]
     W, X, El = num_waves, jax.lax.axis_size("expert"), experts["w_gate"].shape[0]

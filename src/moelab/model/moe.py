@@ -32,7 +32,7 @@ from moelab.model import router as router_lib
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
 from moelab.model.router import Routing, expert_load, route
 
-__all__ = ["PURPOSES", "Dispatch", "build_moe", "init", "apply"]
+__all__ = ["PURPOSES", "Dispatch", "build_moe", "drops_by_purpose", "init", "apply"]
 
 # What a block is built for: `train` (the config's backend and capacity), `eval` (the same: the in-loop held-out
 # loss, `eval/mean`, is measured as the model trains, drops counted), `decode` (one device, no token dropped:
@@ -106,7 +106,7 @@ def build_moe(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, purpose: 
     - `train` and `eval`: `cfg.moe.dispatch` at `cfg.moe.capacity_factor`. On a mesh the block runs per device inside
       the step's `shard_map`, its tokens a slice over every mesh axis; `ep` needs the mesh (its experts are split
       over "expert"). Evaluation keeps the training capacity, so `eval/mean` is the model as it trains (a run's
-      summary says so: `moelab.train.loop.moe_drops`).
+      summary says so: `drops_by_purpose`).
     - `decode`: one device, no token dropped: `dropless`, or on a GPU `grouped` (`dropless` has no fast kernel
       there). FP8 on a GPU has no grouped kernel: there it is `capacity` with room for every row (C = T: [E, T, D]
       buffers), and it warns so.
@@ -134,9 +134,23 @@ def build_moe(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, purpose: 
     if m.dispatch == "ep" and mesh is None:
         raise ValueError("model.moe.dispatch='ep' needs the ('replica', 'expert') mesh to run on: pass mesh=...")
     token_axes = tuple(mesh.axis_names) if mesh is not None and (mesh.size > 1 or m.dispatch == "ep") else ()
-    capacity_factor = m.capacity_factor if m.dispatch in ("capacity", "ep") else None
-    return Dispatch(m.dispatch, purpose, capacity_factor, m.transport_factor if m.dispatch == "ep" else None,
-                    m.num_waves if m.dispatch == "ep" else 1, cfg.fp8, token_axes)
+    return _training(cfg, purpose, token_axes)
+
+
+def _training(cfg: ModelConfig, purpose: str, token_axes: tuple[str, ...] = ()) -> Dispatch:
+    """`cfg.moe.dispatch` at the training capacity, its tokens a slice over `token_axes`."""
+    m = cfg.moe
+    ep = m.dispatch == "ep"
+    return Dispatch(m.dispatch, purpose, m.capacity_factor if m.dispatch in ("capacity", "ep") else None,
+                    m.transport_factor if ep else None, m.num_waves if ep else 1, cfg.fp8, token_axes)
+
+
+def drops_by_purpose(cfg: ModelConfig) -> dict[str, str]:
+    """What each purpose's MoE blocks drop, in words (`Dispatch.drops`): the training steps, the evaluations behind
+    `eval/*` (the training capacity: the model as it trains) and decoding (no token dropped). Read off the config
+    alone (a mesh only adds the axes a block's tokens are split over), so no device is needed."""
+    training = _training(cfg, "train").drops
+    return {"train": training, "eval": training, "samples": build_moe(cfg, purpose="decode").drops}
 
 
 def init(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:

@@ -12,9 +12,9 @@ Layout (architecture §3): data parallel across `replica` groups (racks), expert
   `replicate` keeps it on every device; `optimizer` splits every Adam moment over the whole mesh
   (ZeRO-1; the experts' moments over `replica` as well); `rack` splits the non-expert parameters and
   every moment over `expert` only, whole on each rack (HSDP: the update is local, nothing but the
-  gradient crosses racks); `full` splits the parameters as `rack` and the moments as `optimizer`. A split array is cut along its largest dimension that the
-  axis divides (never a stacked layer axis, which `scan` walks); one that no dimension fits stays
-  whole. The router bias, its load average and the step are always replicated.
+  gradient crosses racks); `full` splits the parameters as `rack` and the moments as `optimizer`. A split
+  array is cut along its largest dimension that the axis divides (never a stacked layer axis, which
+  `scan` walks); one that no dimension fits stays whole. The router bias, its load average and the step are always replicated.
 
 Nothing in the model names these layouts: the step's per-device program (`moelab.parallel.spmd`) gathers a
 parameter split over the rack where a layer reads it, and the optimizer's update runs under jit on the
@@ -191,9 +191,8 @@ def leaf_spec(path: tuple, leaf: Any, axes: Mapping[str, int], layout: str = "re
     moments are split over the whole mesh: under `optimizer` ("replica" and "expert" on one dimension when
     it divides, else "expert"), under `full` inside the device's own parameter shard (the parameter's
     dimension split expert-major, else "replica" on another); an expert's moments add "replica" on one of
-    their own dimensions. Under `rack` and
-    `full`, non-expert parameters are split over "expert"; under `rack` their moments too, and no moment
-    over "replica". Leaves under a stacked key (`STACKED`) never split their
+    their own dimensions. Under `rack` and `full`, non-expert parameters are split over "expert"; under
+    `rack` their moments too, and no moment over "replica". Leaves under a stacked key (`STACKED`) never split their
     leading layer axis. `axes` is the mesh's axis sizes (`mesh.shape`), so a planner can ask without devices.
     """
     base = param_spec(path, leaf)

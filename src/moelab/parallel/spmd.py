@@ -178,10 +178,6 @@ def per_device_value_and_grad(loss_fn: Callable, mesh: Mesh, specs: Any, microba
 
 
 def per_device_apply(fn: Callable, mesh: Mesh, specs: Any) -> Callable:
-    """`fn(params, shared, tokens) -> (per_row [B], summary)` run per device: tokens split over the batch axes,
-    `per_row` split the same, `summary` (a dict of scalars) averaged over the devices. For evaluation."""
-    def local(params, shared, tokens):
-        per_row, summary = fn(params, shared, tokens)
-        return per_row, {k: mean_over_devices(v) for k, v in summary.items()}
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P(BATCH_AXES)), out_specs=(P(BATCH_AXES), P()))
+    """`fn(params, shared, tokens) -> per_row [B]` run per device: tokens and `per_row` split over the batch axes,
+    `shared` (e.g. the router bias) whole on every device. For evaluation."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=(specs, P(), P(BATCH_AXES)), out_specs=P(BATCH_AXES))

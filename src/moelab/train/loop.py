@@ -45,7 +45,7 @@ from moelab.config import RunConfig, changed_fields, load_yaml, override, to_dic
 from moelab.errors import ConfigError, Preempted, SaveFailed
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import balancing, decode, router, transformer
-from moelab.model.moe import Dispatch, build_moe
+from moelab.model.moe import Dispatch, build_moe, drops_by_purpose
 from moelab.parallel import spmd
 from moelab.parallel import mesh as mesh_lib
 from moelab.train import outputs
@@ -56,7 +56,7 @@ from moelab.train.schedule import learning_rate
 from moelab.train.state import (TrainState, compute_dtype, init_sharded_state, make_optimizer, state_shardings,
                                 weights_sha256)
 
-__all__ = ["Hooks", "Watcher", "accumulate_gradients", "loss_and_grad", "make_train_step", "moe_drops", "make_eval_step", "evaluate", "prepare_corpus",
+__all__ = ["Hooks", "Watcher", "accumulate_gradients", "loss_and_grad", "make_train_step", "make_eval_step", "evaluate", "prepare_corpus",
            "config_changes", "check_resumable", "run_platform", "train"]
 
 def _mesh(cfg: RunConfig, mesh: Mesh | None) -> Mesh | None:
@@ -96,7 +96,8 @@ def accumulate_gradients(loss_fn: Callable, params: Any, tokens: jax.Array, micr
     The slices run one after another under `lax.scan` (activations of one slice live at a time), with one
     float32 gradient sum. On a mesh it runs per device on the device's rows (`moelab.parallel.spmd`), so the
     sum is each device's own until the step reduces it once. Microbatch m holds rows m, m + M, ...: on a mesh
-    the same global rows as on one device, since each device's block of rows is a multiple of M long. Equal slices make the mean of their losses and gradients the batch's to float32 rounding, as
+    the same global rows as on one device, since each device's block of rows is a multiple of M long. Equal
+    slices make the mean of their losses and gradients the batch's to float32 rounding, as
     long as the dispatch drops nothing (a capacity is set per call, so a slice's drops may differ).
     The router statistics are combined for the whole step (`SUMMED_AUX` summed, the rest averaged);
     under quantile balancing the bias target is the mean of the slices' targets.
@@ -205,7 +206,7 @@ def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, j
     Under `model.moe.rebalance_steps` > 0 every eval batch routes under the bias solved on itself, as the
     rebalanced train steps do: an eval measures the model, not how far the carried bias lags its batch. The
     routed experts run as in training, at the training capacity (`build_moe`'s `eval`): `eval/mean` is the model
-    as it trains, and a run's summary says so (`moe_drops`).
+    as it trains, and a run's summary says so (`moe_drops`, from `moe.drops_by_purpose`).
     """
     dtype = compute_dtype(cfg)
     mesh = _mesh(cfg, mesh)
@@ -213,11 +214,8 @@ def make_eval_step(cfg: RunConfig, mesh: Mesh | None = None) -> Callable[[Any, j
     rebalance = cfg.model.moe.rebalance_steps > 0
     if dispatch.token_axes:
         loss_fn, specs = _per_device_loss(cfg, mesh, dispatch)
-        per_device = spmd.per_device_apply(
-            lambda p, bias, rows: (loss_fn(p, rows, (bias, jnp.bool_(rebalance)))[1]["ce_per_row"], {}), mesh, specs)
-
-        def eval_step(params, router_bias, tokens):
-            return per_device(params, router_bias, tokens)[0]
+        eval_step = spmd.per_device_apply(
+            lambda p, bias, rows: loss_fn(p, rows, (bias, jnp.bool_(rebalance)))[1]["ce_per_row"], mesh, specs)
     else:
         def eval_step(params, router_bias, tokens):
             _, aux = transformer.loss(params, tokens, cfg.model, router_bias, dtype, dispatch=dispatch,
@@ -442,7 +440,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     and two misses in a row are an `off_track` incident. Returns the summary: final `step`, `loss`,
     `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s` (after
     the first step), `compile_s` (the first step), `incidents`, `moe_drops` (what the MoE blocks drop in training,
-    in the evals and in the samples: `moe_drops`). Raises Preempted on SIGTERM / SIGINT.
+    in the evals and in the samples: `moe.drops_by_purpose`). Raises Preempted on SIGTERM / SIGINT.
 
     On a multi-host run every process trains, evaluates, saves checkpoints (Orbax coordinates
     `checkpoints/`) and returns the same summary, but only process 0 writes the other files and
@@ -726,15 +724,5 @@ def _summary(cfg: RunConfig, start: _Start, state: TrainState, record: dict, las
         # made them (a rerun elsewhere is held to the run-to-run noise instead).
         "params_sha256": weights_sha256(state),
         "platform": run_platform(),
-        "moe_drops": moe_drops(cfg),
+        "moe_drops": drops_by_purpose(cfg.model),
     }
-
-
-def moe_drops(cfg: RunConfig) -> dict[str, str]:
-    """What each purpose's MoE blocks drop, in words (`moe.Dispatch.drops`): the training steps, the evaluations
-    behind `eval/*` (the training capacity: the model as it trains) and the in-loop samples (no token dropped).
-    Read off the config (the mesh only adds the axes a block's tokens are split over), so no device is needed."""
-    m = cfg.model.moe
-    training = Dispatch(m.dispatch, capacity_factor=m.capacity_factor if m.dispatch in ("capacity", "ep") else None)
-    return {"train": training.drops, "eval": training.drops,
-            "samples": build_moe(cfg.model, purpose="decode").drops}

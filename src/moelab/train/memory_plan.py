@@ -313,33 +313,6 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
                        block_work=recomputed + 2 * saved.largest_per_layer)
 
 
-class LayerSplit(NamedTuple):
-    """A model's parameter bytes (float32, whole) by how the step moves them."""
-
-    layer: int  # one MoE block's non-expert parameters
-    top: int  # embedding, lm head and final norm
-    experts: int  # one MoE block's routed experts
-    dense_layer: int  # one dense block (`model.dense_layers`); 0 without them
-
-    def non_expert(self, cfg: RunConfig) -> int:
-        return cfg.model.num_moe_layers * self.layer + cfg.model.dense_layers * self.dense_layer + self.top
-
-
-def _layer_split(cfg: RunConfig) -> LayerSplit:
-    """The bytes `LayerSplit` names, read off the params `transformer.init` would make."""
-    params = jax.eval_shape(lambda: transformer.init(cfg.model, jax.random.key(0)))
-    L = cfg.model.num_moe_layers
-    layer, experts = 0, 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params["layers"]):
-        if mesh_lib.param_spec(path, leaf) == mesh_lib.P():
-            layer += _nbytes(leaf) // L
-        else:
-            experts += _nbytes(leaf) // L
-    dense = sum(_nbytes(leaf) for leaf in jax.tree.leaves(params.get("dense_layers", {})))
-    top = sum(_nbytes(leaf) for key, leaf in params.items() if key not in mesh_lib.STACKED)
-    return LayerSplit(layer, top, experts, dense // max(cfg.model.dense_layers, 1))
-
-
 def _rows_per_microbatch(cfg: RunConfig) -> int:
     """Sequences one device runs at once."""
     return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
@@ -360,6 +333,11 @@ class ParamBytes(NamedTuple):
     experts: int  # one MoE block's routed experts (all E)
     updated_whole: int  # parameters held whole whose moments split over the whole mesh (`optimizer`)
     updated_split: int  # parameters split over the rack whose moments split over "replica" too, per device
+
+    def gathered_layer(self) -> int:
+        """What `rack` and `full` gather at once: the larger block's non-expert parameters and the embeddings, whole."""
+        return max(self.layer_split + self.layer_whole, self.dense_split + self.dense_whole) + self.top_split + \
+            self.top_whole
 
 
 def _param_bytes(cfg: RunConfig, platform: str = "gpu") -> ParamBytes:
@@ -394,7 +372,7 @@ def ring(size: float, group: int) -> float:
     return size * (group - 1) / group if group > 1 else 0.0
 
 
-def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
+def communication(cfg: RunConfig, platform: str = "gpu", params: ParamBytes | None = None) -> dict[str, int]:
     """Bytes one device sends per step, by collective and link: `<kind>_in_rack` over the rack's links, `<kind>_across_racks`
     over the network. What the per-device step (`moelab.parallel.spmd`) emits, compiled (`collective_bytes_by_link`;
     `benchmarks/comm_bytes.py` compares the two on simulated multi-rack meshes):
@@ -410,6 +388,7 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     - `optimizer` and `full` split moments over the racks too: the new parameters all-gathered across racks, once.
     - small, each microbatch: the balancer's histogram (reduce-scattered by expert in the rack, summed across racks
       in 1/X slices), its ranges, and the load and drop counts.
+    `params`: `_param_bytes(cfg, platform)` where the caller has it already.
     """
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
     n = R * X
@@ -420,7 +399,7 @@ def communication(cfg: RunConfig, platform: str = "gpu") -> dict[str, int]:
     out = Counter()
     if n == 1:
         return {key: 0 for key in COMM_KEYS}
-    g = _param_bytes(cfg, platform)
+    g = params or _param_bytes(cfg, platform)
     itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize  # XLA on CPU moves 16-bit as 32
     if moe.dispatch == "ep" and X > 1:
         W = moe.num_waves
@@ -516,11 +495,11 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     rows = _rows_per_microbatch(cfg)
     state = state_bytes(cfg)
     grads = state["params"]  # float32, in the params' layout
-    split = _layer_split(cfg)
+    g = _param_bytes(cfg, platform)
     grad_sum = grads if M > 1 else 0
     act = activation_bytes(cfg, rows, platform)
     # one layer + embeddings, and their grads
-    gathered = 2 * (max(split.layer, split.dense_layer) + split.top) if cfg.mesh.shard in ("rack", "full") and X > 1 else 0
+    gathered = 2 * g.gathered_layer() if cfg.mesh.shard in ("rack", "full") and X > 1 else 0
     # The update reads the largest array's two moments in float32 when they are stored narrower.
     moments_f32 = 2 * state["largest_param"] if cfg.train.moment_dtype != "float32" else 0
     phases = {
@@ -534,7 +513,7 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     always = {"params": state["params"], "moments": state["moments"], "other_state": state["other_state"]}
     keys = ("grads", "grad_sum", "activations", "logits_grad", "block_work", "gathered", "update")
     terms = {**always, **{key: phases[peak].get(key, 0) for key in keys}}
-    comm = communication(cfg, platform)
+    comm = communication(cfg, platform, g)
     seconds = {k: v / (links.network if k.endswith("across_racks") else links.nvlink) for k, v in comm.items()}
     result = Plan(name=cfg.name, mesh={"replica": R, "expert": X, "shard": cfg.mesh.shard}, microbatches=M,
                   rows_per_microbatch=rows, platform=platform, terms=terms, total=int(sum(terms.values())), hbm=hbm,
@@ -586,8 +565,7 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
     if listed and listed.group(1) != "{}":
         return [[int(d) for d in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", listed.group(1))]
-    pairs = re.search(r"source_target_pairs=\{([^}]*(?:\}[^}]*)*)\}", line)
-    if pairs:
+    if "source_target_pairs=" in line:
         return [[int(d) for d in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)\}", line)]
     return [list(range(num_devices))]
 
