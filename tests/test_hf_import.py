@@ -10,7 +10,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import metric_records, run_cli
+from helpers import run_cli
 
 from moelab.export import hf_import, writer
 from moelab.model import transformer
@@ -86,9 +86,9 @@ def _with_norm_gains(saved):
 
 
 def _moe_layers(model) -> list:
-    """The decoder layers with a router: all but the dense first ones (Glm4Moe's first_k_dense_replace, Qwen3-MoE's
-    mlp_only_layers)."""
-    return [layer for layer in model.model.layers if hasattr(layer, "block_sparse_moe") or hasattr(layer.mlp, "gate")]
+    """The decoder layers with a router (`mlp.gate`): all but the dense first ones (Glm4Moe's first_k_dense_replace,
+    Qwen3-MoE's mlp_only_layers)."""
+    return [layer for layer in model.model.layers if hasattr(layer.mlp, "gate")]
 
 
 def _saved(model, folder):
@@ -96,7 +96,7 @@ def _saved(model, folder):
 
     with torch.no_grad():  # routers away from their near-uniform init: each token's choice is its own, not the bias's
         for layer in _moe_layers(model):
-            gate = layer.block_sparse_moe.gate if hasattr(layer, "block_sparse_moe") else layer.mlp.gate
+            gate = layer.mlp.gate
             gate.weight.mul_(30.0) if gate.weight.abs().max() < 0.5 else None
     model.save_pretrained(folder, max_shard_size="40KB")  # several shards and an index
     assert (folder / "model.safetensors.index.json").is_file()
@@ -115,61 +115,41 @@ def imported(tmp_path_factory):
 def test_an_imported_model_gives_transformers_logits_and_expert_choices(imported, name):
     """float32, 2 x 256 tokens: the same function (max |logit difference| <= 1e-4, the export check's bound:
     torch and XLA sum in other orders; a wrong or transposed weight moves logits by order 0.1-1), and the
-    same experts chosen for every token of every layer."""
-    import torch
-
+    same experts chosen for every token of every layer: the ones transformers' own routers chose in that forward."""
     model, _, summary, out = imported[name]
     assert summary["architecture"] == type(model).__name__ and summary["tensors_left_out"] == []
     run = load_run(out)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH))
-    theirs, inputs = _router_inputs(model, tokens)
+    theirs, routed = _transformers_forward(model, tokens)
     ours, _ = transformer.apply(run.params, jnp.asarray(tokens, jnp.int32), run.cfg.model, run.router_bias,
                                 dispatch=build_moe(run.cfg.model, purpose="decode"))
-    assert float(np.max(np.abs(np.asarray(ours) - theirs.numpy()))) <= 1e-4
+    assert float(np.max(np.abs(np.asarray(ours) - theirs))) <= 1e-4
     m = run.cfg.model
-    assert len(inputs) == m.num_moe_layers == m.num_layers - (name in ("glm4_moe", "qwen3_moe"))  # a dense first block
-    for i, (layer, h) in enumerate(zip(_moe_layers(model), inputs)):  # each MoE layer's router, on its own input
-        with torch.no_grad():
-            expected = _expert_ids(layer, h)
-        chosen = route(jnp.asarray(h.numpy()), run.params["layers"]["w_router"][i], run.router_bias[i], m.moe)
+    assert len(routed) == m.num_moe_layers == m.num_layers - (name in ("glm4_moe", "qwen3_moe"))  # a dense first block
+    for i, (h, expected) in enumerate(routed):  # each MoE layer's router, on transformers' input to it
+        chosen = route(jnp.asarray(h), run.params["layers"]["w_router"][i], run.router_bias[i], m.moe)
         np.testing.assert_array_equal(np.sort(np.asarray(chosen.expert_idx), -1), np.sort(expected, -1))
 
 
-def _router_inputs(model, tokens) -> list:
-    """Each layer's router input [T, D] in transformers' own forward (a hook on the gate)."""
+def _transformers_forward(model, tokens) -> tuple[np.ndarray, list]:
+    """transformers' logits, and per MoE layer (its router's input [T, D], the experts it chose [T, k]), caught by
+    a hook on the router module (`mlp.gate`), which in transformers 5 returns (logits, weights, expert indices)."""
     import torch
 
-    seen, hooks = [], []
-    for layer in _moe_layers(model):
-        mlp = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
-        hooks.append(mlp.gate.register_forward_hook(lambda mod, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1]))))
+    routed = []
+
+    def catch(module, args, out):
+        _, _, chosen = out
+        routed.append((args[0].reshape(-1, args[0].shape[-1]).numpy().copy(), chosen.numpy().copy()))
+
+    hooks = [layer.mlp.gate.register_forward_hook(catch) for layer in _moe_layers(model)]
     try:
         with torch.no_grad():
             logits = model(torch.from_numpy(tokens)).logits
     finally:
         for hook in hooks:
             hook.remove()
-    return logits, seen
-
-
-def _expert_ids(layer, h) -> np.ndarray:
-    import torch
-
-    mlp = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
-    if hasattr(mlp.gate, "e_score_correction_bias"):  # Glm4Moe: sigmoid, top-k of score + bias in the best groups
-        scores = torch.sigmoid(h @ mlp.gate.weight.T) + mlp.gate.e_score_correction_bias
-        groups, kept = mlp.gate.num_group, mlp.gate.topk_group  # transformers' Glm4MoeTopkRouter
-        grouped = scores.view(-1, groups, scores.shape[-1] // groups)
-        best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), kept, dim=-1).indices
-        keep = torch.zeros(grouped.shape[:2]).scatter(1, best, 1).bool()
-        scores = scores.masked_fill(~keep.repeat_interleave(scores.shape[-1] // groups, dim=1), 0.0)
-    else:  # Mixtral: top-k of the softmax
-        scores = torch.softmax(h @ mlp.gate.weight.T, dim=-1)
-    return torch.topk(scores, mlp_top_k(mlp), dim=-1).indices.numpy()
-
-
-def mlp_top_k(mlp) -> int:
-    return getattr(mlp, "top_k", None) or getattr(mlp.gate, "top_k")
+    return logits.numpy(), routed
 
 
 @pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])

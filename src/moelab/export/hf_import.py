@@ -40,7 +40,8 @@ import json
 import re
 import shutil
 import tempfile
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +59,6 @@ from moelab.train.state import TrainState, make_optimizer, state_shardings
 
 __all__ = ["ARCHITECTURES", "read_hf_config", "model_config", "tensor_files", "read_weights", "import_checkpoint"]
 
-ARCHITECTURES = ("MixtralForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
-# What transformers assumes for a key config.json leaves out (its config classes' defaults), per architecture:
-# a missing key must read as transformers reads it, not as moelab's own default.
-HF_DEFAULTS = {
-    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
-    "Glm4MoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                           "first_k_dense_replace": 1, "intermediate_size": 10944, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
-                           "routed_scaling_factor": 1.0, "n_shared_experts": 1},
-    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False,
-                            "intermediate_size": 6144},
-    "OlmoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False},
-}
 MAX_SEQ_LEN = 4096  # the imported run's training sequence length: the model's own, up to this
 
 
@@ -88,103 +77,176 @@ def read_hf_config(folder: Path) -> dict:
     return hf
 
 
-def _refuse(path: Path, field: str, value: Any, why: str) -> None:
-    raise ConfigError(f"{path}: {field}={value!r} is not something moelab models ({why}); it is refused rather "
-                      "than approximated.")
+@dataclass(frozen=True)
+class _HFConfig:
+    """One architecture's config.json, transformers' defaults filled in and nulls dropped, read field by field:
+    each failure is a ConfigError naming the file and the field."""
+
+    values: dict
+    path: Path
+    arch: str
+
+    def get(self, field: str, default: Any = None) -> Any:
+        return self.values.get(field, default)
+
+    def missing(self, field: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {field} is missing; a {self.arch} config.json has it.")
+
+    def read(self, field: str, kind: type = int, default: Any = None) -> Any:
+        """`field` as `kind`; `default`, when given, stands in for a missing, null or zero value."""
+        value = self.values.get(field) if default is None else self.values.get(field) or default
+        if value is None:
+            raise self.missing(field)
+        return self.number(field, value, kind)
+
+    def number(self, field: str, value: Any, kind: type = int) -> Any:
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{self.path}: {field}={value!r} is not a number where one is needed.") from None
+
+    def refuse(self, field: str, value: Any, why: str) -> None:
+        raise ConfigError(f"{self.path}: {field}={value!r} is not something moelab models ({why}); it is refused "
+                          "rather than approximated.")
 
 
-def _rope(hf: dict, path: Path) -> tuple[float, float]:
+def _rope(hf: _HFConfig) -> tuple[float, float]:
     """(rope_theta, the share of each head RoPE rotates)."""
     rope = hf.get("rope_parameters") or {}
     if hf.get("rope_scaling"):
-        _refuse(path, "rope_scaling", hf["rope_scaling"], "moelab's RoPE has no scaling")
+        hf.refuse("rope_scaling", hf.get("rope_scaling"), "moelab's RoPE has no scaling")
     if rope.get("rope_type", "default") != "default":
-        _refuse(path, "rope_parameters.rope_type", rope.get("rope_type"), "moelab's RoPE is the default one")
-    factors = {float(f) for f in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")) if f is not None}
+        hf.refuse("rope_parameters.rope_type", rope.get("rope_type"), "moelab's RoPE is the default one")
+    factors = {hf.number("partial_rotary_factor", f, float)
+               for f in (rope.get("partial_rotary_factor"), hf.get("partial_rotary_factor")) if f is not None}
     if len(factors) > 1:
-        _refuse(path, "partial_rotary_factor", sorted(factors), "config.json gives two different values")
-    return float(rope.get("rope_theta", hf["rope_theta"])), factors.pop() if factors else 1.0
+        hf.refuse("partial_rotary_factor", sorted(factors), "config.json gives two different values")
+    theta = (hf.number("rope_parameters.rope_theta", rope["rope_theta"], float) if "rope_theta" in rope
+             else hf.read("rope_theta", float))
+    return theta, factors.pop() if factors else 1.0
+
+
+# Each architecture's reader: (its MoEConfig fields but num_experts_per_token, its ModelConfig fields beyond the
+# shape every one shares: dense_layers, qk_norm). The shared part is `model_config`'s.
+
+def _mixtral(hf: _HFConfig) -> tuple[dict, dict]:
+    """Softmax router, top-k renormalized."""
+    return dict(num_experts=hf.read("num_local_experts"), expert_dim=hf.read("intermediate_size"),
+                router_score="softmax", normalize_weights=True, balancing="none"), {}
+
+
+def _glm4_moe(hf: _HFConfig) -> tuple[dict, dict]:
+    """Sigmoid router with a choosing bias (moelab's router bias, so a balancing rule keeps it moving), groups,
+    shared experts fused into one SwiGLU, dense first blocks, QK-norm per head when use_qk_norm."""
+    dense, layers = hf.read("first_k_dense_replace"), hf.read("num_hidden_layers")
+    if dense >= layers:
+        hf.refuse("first_k_dense_replace", dense, f"with num_hidden_layers={layers} no block is a MoE block; "
+                  "moelab trains MoE models")
+    width, shared, groups = hf.read("moe_intermediate_size"), hf.read("n_shared_experts"), hf.read("n_group")
+    moe = dict(num_experts=hf.read("n_routed_experts"), expert_dim=width, router_score="sigmoid",
+               normalize_weights=hf.read("norm_topk_prob", bool), routed_scaling=hf.read("routed_scaling_factor", float),
+               num_shared_experts=1 if shared else 0, shared_expert_dim=shared * width if shared else None,
+               num_groups=groups, groups_per_token=hf.read("topk_group"),
+               # the quantile rules assume plain top-k; within groups, DeepSeek-V3's own sign rule
+               balancing="hist" if groups == 1 else "sign")
+    return moe, dict(dense_layers=dense, qk_norm="head" if hf.get("use_qk_norm") else None)
+
+
+def _qwen3_moe(hf: _HFConfig) -> tuple[dict, dict]:
+    """Softmax router, top-k renormalized or not; QK-norm per head; mlp_only_layers [0, ..., k-1] as dense first
+    blocks."""
+    if hf.read("decoder_sparse_step", default=1) != 1:
+        hf.refuse("decoder_sparse_step", hf.get("decoder_sparse_step"),
+                  "moelab's dense blocks come first (model.dense_layers), not every few layers")
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or dense != list(range(len(dense))):
+        hf.refuse("mlp_only_layers", dense, "moelab's dense blocks are the first ones (model.dense_layers): "
+                  "[0, 1, ..., k-1]")
+    return _softmax_experts(hf, hf.read("moe_intermediate_size")), dict(dense_layers=len(dense), qk_norm="head")
+
+
+def _olmoe(hf: _HFConfig) -> tuple[dict, dict]:
+    """Softmax router, top-k renormalized or not; QK-norm over the whole projection."""
+    if hf.get("clip_qkv") is not None:
+        hf.refuse("clip_qkv", hf.get("clip_qkv"), "moelab does not clip its projections")
+    return _softmax_experts(hf, hf.read("intermediate_size")), dict(qk_norm="full")
+
+
+def _softmax_experts(hf: _HFConfig, width: int) -> dict:
+    """Qwen3-MoE's and OLMoE's experts: a softmax router, renormalized as norm_topk_prob says."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if experts is None:
+        raise hf.missing("num_experts")
+    return dict(num_experts=hf.number("num_experts", experts), expert_dim=width,
+                router_score="softmax", normalize_weights=hf.read("norm_topk_prob", bool), balancing="none")
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    """How one transformers class's config.json reads into a ModelConfig."""
+
+    read: Callable[[_HFConfig], tuple[dict, dict]]
+    defaults: dict
+    """What transformers assumes for a key config.json leaves out (its config class's defaults): a missing key
+    must read as transformers reads it, not as moelab's own default."""
+    window_switch: str | None = None  # None: a sliding_window turns a window on; else this key does (Qwen3-MoE)
+
+
+_IMPORTS = {
+    "MixtralForCausalLM": _Architecture(_mixtral, {"rms_norm_eps": 1e-5, "rope_theta": 1e6}),
+    "Glm4MoeForCausalLM": _Architecture(_glm4_moe, {
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "first_k_dense_replace": 1,
+        "intermediate_size": 10944, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0, "n_shared_experts": 1}),
+    "Qwen3MoeForCausalLM": _Architecture(_qwen3_moe, {
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False, "intermediate_size": 6144},
+        window_switch="use_sliding_window"),
+    "OlmoeForCausalLM": _Architecture(_olmoe, {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False}),
+}
+ARCHITECTURES = tuple(_IMPORTS)
 
 
 def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
-    """(architecture, the ModelConfig that computes the same function); ConfigError naming what does not map."""
+    """(architecture, the ModelConfig that computes the same function); ConfigError naming what does not map.
+
+    What every architecture shares is read here (the attention's shape, RoPE, the norms, the refusals); its
+    `_IMPORTS` entry reads its experts and dense blocks.
+    """
     archs = hf.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{path}: architectures={hf.get('architectures')!r} is not one moelab imports: "
-                          f"{', '.join(ARCHITECTURES)}.")
-    defaults = dict(HF_DEFAULTS[arch])
+    if arch not in ARCHITECTURES:  # a tuple: an unhashable entry is refused, not a TypeError
+        raise ConfigError(f"{path}: architectures={archs!r} is not one moelab imports: {', '.join(ARCHITECTURES)}.")
+    spec = _IMPORTS[arch]
+    defaults = dict(spec.defaults)
     if "partial_rotary_factor" in (hf.get("rope_parameters") or {}):  # given there: no default beside it
         defaults.pop("partial_rotary_factor", None)
-    hf = {**defaults, **{k: v for k, v in hf.items() if v is not None or k == "sliding_window"}}
-    if hf.get("quantization_config"):
-        _refuse(path, "quantization_config", hf["quantization_config"].get("quant_method", "set"),
-                "moelab reads float weights; dequantize the checkpoint first")
+    hf = _HFConfig({**defaults, **{k: v for k, v in hf.items() if v is not None}}, path, arch)
+    quantization = hf.get("quantization_config")
+    if quantization:
+        hf.refuse("quantization_config", quantization.get("quant_method", "set") if isinstance(quantization, dict)
+                  else quantization, "moelab reads float weights; dequantize the checkpoint first")
     if hf.get("hidden_act", "silu") != "silu":
-        _refuse(path, "hidden_act", hf.get("hidden_act"), "moelab's experts are SwiGLU")
+        hf.refuse("hidden_act", hf.get("hidden_act"), "moelab's experts are SwiGLU")
     if hf.get("attention_bias"):
-        _refuse(path, "attention_bias", True, "moelab's projections have no bias")
-    if hf.get("sliding_window") is not None and arch != "Qwen3MoeForCausalLM":  # Qwen3 reads use_sliding_window
-        _refuse(path, "sliding_window", hf["sliding_window"], "moelab attends causally over the whole sequence")
+        hf.refuse("attention_bias", True, "moelab's projections have no bias")
+    if spec.window_switch is None and hf.get("sliding_window") is not None:
+        hf.refuse("sliding_window", hf.get("sliding_window"), "moelab attends causally over the whole sequence")
+    if spec.window_switch is not None and hf.get(spec.window_switch):
+        hf.refuse(spec.window_switch, hf.get(spec.window_switch), "moelab attends causally over the whole sequence")
+    d, heads = hf.read("hidden_size"), hf.read("num_attention_heads")
+    shape = dict(vocab_size=hf.read("vocab_size"), d_model=d, num_layers=hf.read("num_hidden_layers"), num_heads=heads,
+                 num_kv_heads=hf.read("num_key_value_heads", default=heads),
+                 head_dim=hf.read("head_dim", default=d // heads) if heads else None,  # no heads: ModelConfig says so
+                 seq_len=min(hf.read("max_position_embeddings", default=MAX_SEQ_LEN), MAX_SEQ_LEN),
+                 norm_eps=hf.read("rms_norm_eps", float))
+    shape["rope_theta"], shape["rope_fraction"] = _rope(hf)
+    moe, fields = spec.read(hf)
+    dense_ffn_dim = hf.read("intermediate_size") if fields.get("dense_layers") else None
+    moe["num_experts_per_token"] = hf.read("num_experts_per_tok")
     try:
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        shape = dict(vocab_size=int(hf["vocab_size"]), d_model=d, num_layers=int(hf["num_hidden_layers"]),
-                     num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                     head_dim=int(hf.get("head_dim") or d // heads),
-                     seq_len=min(int(hf.get("max_position_embeddings") or MAX_SEQ_LEN), MAX_SEQ_LEN),
-                     norm_eps=float(hf["rms_norm_eps"]))
-        shape["rope_theta"], shape["rope_fraction"] = _rope(hf, path)
-        if arch == "MixtralForCausalLM":
-            moe = MoEConfig(num_experts=int(hf["num_local_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
-                            expert_dim=int(hf["intermediate_size"]), router_score="softmax", normalize_weights=True,
-                            balancing="none")
-        elif arch in ("Qwen3MoeForCausalLM", "OlmoeForCausalLM"):
-            if arch == "Qwen3MoeForCausalLM":
-                if hf.get("use_sliding_window"):
-                    _refuse(path, "use_sliding_window", True, "moelab attends causally over the whole sequence")
-                if int(hf.get("decoder_sparse_step") or 1) != 1:
-                    _refuse(path, "decoder_sparse_step", hf["decoder_sparse_step"],
-                            "moelab's dense blocks come first (model.dense_layers), not every few layers")
-                dense = list(hf.get("mlp_only_layers") or [])
-                if dense != list(range(len(dense))):
-                    _refuse(path, "mlp_only_layers", dense,
-                            "moelab's dense blocks are the first ones (model.dense_layers): [0, 1, ..., k-1]")
-                shape.update(dense_layers=len(dense), dense_ffn_dim=int(hf["intermediate_size"]) if dense else None)
-                width, qk = int(hf["moe_intermediate_size"]), "head"
-            else:
-                if hf.get("clip_qkv") is not None:
-                    _refuse(path, "clip_qkv", hf["clip_qkv"], "moelab does not clip its projections")
-                width, qk = int(hf["intermediate_size"]), "full"
-            experts = hf.get("num_experts") or hf.get("num_local_experts")
-            if experts is None:
-                raise KeyError("num_experts")
-            moe = MoEConfig(num_experts=int(experts), num_experts_per_token=int(hf["num_experts_per_tok"]),
-                            expert_dim=width, router_score="softmax",
-                            normalize_weights=bool(hf["norm_topk_prob"]), balancing="none")
-            return arch, ModelConfig(moe=moe, qk_norm=qk, **shape)
-        else:
-            dense = int(hf["first_k_dense_replace"])
-            if dense >= shape["num_layers"]:
-                _refuse(path, "first_k_dense_replace", dense, f"with num_hidden_layers={shape['num_layers']} no block "
-                        "is a MoE block; moelab trains MoE models")
-            shape.update(dense_layers=dense, dense_ffn_dim=int(hf["intermediate_size"]) if dense else None)
-            shared, groups = int(hf["n_shared_experts"]), int(hf["n_group"])
-            moe = MoEConfig(num_experts=int(hf["n_routed_experts"]), num_experts_per_token=int(hf["num_experts_per_tok"]),
-                            expert_dim=int(hf["moe_intermediate_size"]), router_score="sigmoid",
-                            normalize_weights=bool(hf["norm_topk_prob"]), routed_scaling=float(hf["routed_scaling_factor"]),
-                            num_shared_experts=1 if shared else 0,
-                            shared_expert_dim=shared * int(hf["moe_intermediate_size"]) if shared else None,
-                            num_groups=groups, groups_per_token=int(hf["topk_group"]),
-                            # the quantile rules assume plain top-k; within groups, DeepSeek-V3's own sign rule
-                            balancing="hist" if groups == 1 else "sign")
-            return arch, ModelConfig(moe=moe, qk_norm="head" if hf.get("use_qk_norm") else None, **shape)
-        return arch, ModelConfig(moe=moe, **shape)
-    except KeyError as e:
-        raise ConfigError(f"{path}: {e.args[0]} is missing; a {arch} config.json has it.") from None
+        return arch, ModelConfig(**shape, **fields, dense_ffn_dim=dense_ffn_dim, moe=MoEConfig(**moe))
     except ConfigError as e:  # a value moelab's config refuses: name the file it came from
         raise ConfigError(f"{path}: {e} (from the Hugging Face config's values)") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: a value is not a number where one is needed ({e}).") from None
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
