@@ -186,3 +186,14 @@ def test_the_command_starts_without_scipy_or_jax():
     code = "import sys, moelab.cli.main\nprint(sorted(m for m in ('scipy', 'jax') if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_summary_line_of_a_run_resumed_at_its_last_step_says_what_it_did_not_measure():
+    """Killed after its last checkpoint, before summary.json: the rerun trains no step, so the summary has no
+    throughput (None) and may have no loss; the line says so instead of failing to format None."""
+    from moelab.cli.train import summary_line
+
+    line = summary_line({"step": 16, "loss": None, "tokens_per_s": None, "eval": {"mean": 2.5}, "incidents": 0},
+                        Path("runs/x"))
+    assert "no step trained here" in line and "throughput not measured" in line and "2.500" in line
+    assert "1,234 tokens/s" in summary_line({"step": 16, "loss": 2.0, "tokens_per_s": 1234.4}, Path("runs/x"))

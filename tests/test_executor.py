@@ -2,6 +2,7 @@
 downstream, --dry-run predicts what runs, crashes never pass for success, and a preempted step resumes in place.
 The same DAGs on Ray, on a cluster of two nodes: test_ray_cluster.py."""
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -10,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,8 @@ import yaml
 from helpers import run_cli
 
 from moelab.errors import ConfigError, Preempted
-from moelab.lab.dag import FAILED, PREEMPTED, RUNNING, SUCCESS, Step, execute, plan, read_status, versioned
+from moelab.lab.dag import (FAILED, PREEMPTED, RUNNING, SUCCESS, Step, _decide, _execute_job, _jobs, execute, plan,
+                            read_status, versioned)
 
 STEP_FILES = {"STATUS", "step.json"}  # what the runner writes before the step function starts
 
@@ -218,7 +219,7 @@ def test_a_step_killed_mid_run_is_never_success_and_runs_again_from_scratch(tmp_
     assert len(list(root.glob("a-*.failed-*"))) == 1
 
 
-def test_a_step_locked_by_another_process_is_waited_for_and_then_skipped(tmp_path):
+def test_a_step_locked_by_another_process_is_waited_for_and_then_skipped(tmp_path, monkeypatch):
     log, root = tmp_path / "log", tmp_path / "root"
     steps = diamond(log)[:1]
     [planned] = plan(steps, root)
@@ -227,9 +228,17 @@ def test_a_step_locked_by_another_process_is_waited_for_and_then_skipped(tmp_pat
     holder = open(lock_path, "a")  # a second open file: flock treats it like another process
     fcntl.flock(holder, fcntl.LOCK_EX)
     assert plan(steps, root)[0].action == "wait"
+    flock, waiting = fcntl.flock, threading.Event()
 
-    def finish_elsewhere():
-        time.sleep(0.5)
+    def flock_and_tell(file, operation):
+        if operation == fcntl.LOCK_EX:  # blocking: the runner found the lock held (so `waited` is set) and waits
+            waiting.set()
+        return flock(file, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_and_tell)
+
+    def finish_elsewhere():  # only once the runner waits: released earlier, it would not have waited at all
+        waiting.wait(timeout=30)
         planned.output_dir.mkdir()
         (planned.output_dir / "STATUS").write_text(SUCCESS)
         fcntl.flock(holder, fcntl.LOCK_UN)
@@ -240,6 +249,58 @@ def test_a_step_locked_by_another_process_is_waited_for_and_then_skipped(tmp_pat
     [outcome] = execute(steps, root)
     other.join()
     assert (outcome.action, outcome.status, outcome.waited) == ("skipped", SUCCESS, True) and ran(log) == []
+
+
+# (resumable, attempt): a plain step, then a resumable one, each on its first attempt and on a Ray retry (the
+# driver retries a step whose worker it saw die).
+STEP_KINDS = [(False, 1), (False, 2), (True, 1), (True, 2)]
+# What an earlier attempt left in the step's directory: STATUS ("": none; None: no directory) and step.json,
+# then the one right action for each of STEP_KINDS.
+LEFT_BEHIND = [
+    ("nothing", None, {}, ["run", "run", "run", "run"]),
+    ("no-status", "", {}, ["run", "run", "run", "run"]),
+    ("crashed-running", RUNNING, {"attempt": 1}, ["run", "run", "run", "resume"]),
+    ("running-worker-lost", RUNNING, {"attempt": 3, "worker_lost": "lost"}, ["run", "run", "resume", "resume"]),
+    ("failed", FAILED, {"attempt": 1, "error": "Traceback"}, ["run", "run", "run", "resume"]),
+    ("failed-worker-lost", FAILED, {"attempt": 3, "worker_lost": "lost"}, ["run", "run", "resume", "resume"]),
+    ("preempted", PREEMPTED, {"attempt": 1, "preempted_at": 3}, ["resume", "resume", "resume", "resume"]),
+    ("success", SUCCESS, {"attempt": 1}, ["skip", "skip", "skip", "skip"]),
+]
+
+
+@pytest.mark.parametrize("status, info, resumable, attempt, expected", [
+    pytest.param(status, info, resumable, attempt, actions[i],
+                 id=f"{name}-{'resumable' if resumable else 'plain'}-attempt{attempt}")
+    for name, status, info, actions in LEFT_BEHIND for i, (resumable, attempt) in enumerate(STEP_KINDS)])
+def test_the_runner_does_what_plan_reports_whatever_state_a_step_was_left_in(status, info, resumable, attempt,
+                                                                              expected, tmp_path):
+    """What the runner did is read off the step's directory: a run starts empty, the last attempt's output moved
+    aside; a resume starts with that output in place; a skip does not call the step. A second copy of the rule
+    in the runner would disagree with `plan` here. (A held lock, "wait": the test after this one.)"""
+    root, found = tmp_path / "root", []
+
+    def record_what_it_finds(ctx):
+        found.append({p.name for p in ctx.output_dir.iterdir()})
+
+    step = Step("s", record_what_it_finds, resumable=resumable)
+    job = dataclasses.replace(_jobs([step], root)[0], attempt=attempt)
+    if status is not None:
+        job.output_dir.mkdir(parents=True)
+        (job.output_dir / "partial.txt").write_text("the last attempt's output")
+        (job.output_dir / "step.json").write_text(json.dumps(info))
+        if status:
+            (job.output_dir / "STATUS").write_text(status)
+    # plan's jobs are first attempts; a retry's decision is only ever taken by the runner, by the same rule
+    reported = plan([step], root)[0].action if attempt == 1 else _decide(job, locked=False)[0]
+
+    outcome = _execute_job(job, None)
+    did = "skip" if not found else "resume" if "partial.txt" in found[0] else "run"
+    assert did == reported == expected
+    assert outcome.status == SUCCESS and (outcome.action == "skipped") == (did == "skip")
+    moved = list(root.glob(f"{job.output_dir.name}.failed-*"))
+    assert [(m / "partial.txt").exists() for m in moved] == ([True] if did == "run" and status is not None else [])
+    if did == "run":
+        assert found[0] == STEP_FILES, "a run starts in an empty directory"
 
 
 @pytest.mark.parametrize("steps, message", [

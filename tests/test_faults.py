@@ -3,7 +3,9 @@
 Each fault hits a real `moelab train` subprocess; the rerun that follows happens in this process
 (`run_cli`, as a user would type it) and must end bitwise equal to one uninterrupted run: params,
 optimizer and router state, and every metric record. Faults:
-- SIGKILL at seeded random moments after the first checkpoint (anywhere: a step, an eval, a save);
+- SIGKILL at a seeded random point after the first checkpoint (as a step's eval starts, or as its
+  checkpoint call starts or returns): a point the run itself reaches, so the kill lands before the end
+  however fast the machine (a kill after a delay missed a run that had finished);
 - SIGKILL inside a checkpoint save, at two fixed points (`_FAULT_ENTRY`): before Orbax renames its
   temporary folder into place, and after that but before our manifest seals the step;
 - SIGTERM, which saves first and exits 75;
@@ -22,7 +24,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,12 @@ from helpers import assert_same_run, final_state, run_cli, train_args, train_com
 
 STEPS = 16
 
-# Runs `moelab train`, SIGKILLing itself at one point inside the save of one step:
-#   orbax-commit: when Orbax renames the step's temporary folder into place (all data written);
-#   manifest:     when our manifest is about to be computed (Orbax's step complete, not yet sealed).
+# Runs `moelab train`, SIGKILLing itself at one point of one step:
+#   orbax-commit:      when Orbax renames the step's temporary folder into place (all data written);
+#   manifest:          when our manifest is about to be computed (Orbax's step complete, not yet sealed);
+#   eval:              as the step's eval starts (the step trained, nothing of it logged yet);
+#   checkpoint-call:   as the loop's checkpoint call for the step starts (the step logged; a save due not done);
+#   checkpoint-return: as that call returns (a save due at the step sealed).
 _FAULT_ENTRY = """
 import os, signal, sys
 point, step = sys.argv.pop(1), sys.argv.pop(1)
@@ -50,7 +54,7 @@ if point == "orbax-commit":
             die()
         return real_rename(src, dst, *args, **kwargs)
     os.rename = rename
-else:
+elif point == "manifest":
     from moelab.train import checkpoint
     real_digest = checkpoint._digest
     def digest(step_dir):
@@ -58,6 +62,18 @@ else:
             die()
         return real_digest(step_dir)
     checkpoint._digest = digest
+else:
+    from moelab.train import loop
+    name = "_evaluate" if point == "eval" else "_checkpoint"
+    real = getattr(loop, name)
+    def at_step(run, state, done, *args):
+        if done == int(step) and point != "checkpoint-return":
+            die()
+        returned = real(run, state, done, *args)
+        if done == int(step):
+            die()
+        return returned
+    setattr(loop, name, at_step)
 
 from moelab.cli import main
 sys.argv[0] = "moelab"
@@ -84,16 +100,20 @@ def _rerun_and_compare(reference, out, monkeypatch, capsys) -> str:
     return stderr
 
 
+# Where a run is killed at random: every step after the first checkpoint (step 4), as its checkpoint call
+# starts or returns, and the two evals (eval_every=12, and the last step).
+_KILL_POINTS = ([(point, step) for step in range(5, STEPS + 1) for point in ("checkpoint-call", "checkpoint-return")]
+                + [("eval", 12), ("eval", STEPS)])
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_run_killed_at_a_random_moment_resumes_to_bitwise_the_same_run(reference, tmp_path, seed,
                                                                          monkeypatch, capsys):
+    point, step = random.Random(seed).choice(_KILL_POINTS)
     out = tmp_path / "run"
-    proc = subprocess.Popen(train_command(out, STEPS), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(out / "checkpoints" / "4" / "moelab_manifest.json", proc)
-    time.sleep(random.Random(seed).uniform(0.0, 1.5))  # the remaining 12 steps, 2 evals and 3 saves take longer
-    proc.kill()
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before the kill: nothing was tested"
+    killed = subprocess.run([sys.executable, "-c", _FAULT_ENTRY, point, str(step), *train_args(out, STEPS)],
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, f"the kill at {point} {step} never fired: {killed.stderr[-2000:]}"
     assert not (out / "summary.json").exists()
     _rerun_and_compare(reference, out, monkeypatch, capsys)
 

@@ -149,8 +149,12 @@ def summary_line(summary: dict, out: Path) -> str:
     held_out = (f", held-out loss {evals['mean']:.3f}" + (f" (from {start:.3f})" if start is not None else "")
                 if "mean" in evals else "")
     incidents = summary.get("incidents", 0)
-    return (f"Trained to step {summary['step']}: loss {summary['loss']:.3f}{held_out}, "
-            f"{summary.get('tokens_per_s', 0):,.0f} tokens/s, {incidents} incident{'' if incidents == 1 else 's'}. "
+    # A run resumed at its last step trains none here: no loss of its own, no steady throughput.
+    loss = f"loss {summary['loss']:.3f}" if summary.get("loss") is not None else "no step trained here"
+    speed = (f"{summary['tokens_per_s']:,.0f} tokens/s" if summary.get("tokens_per_s") is not None
+             else "throughput not measured (fewer than two steps ran)")
+    return (f"Trained to step {summary['step']}: {loss}{held_out}, "
+            f"{speed}, {incidents} incident{'' if incidents == 1 else 's'}. "
             f"Run in {out} (summary.json has every figure; --json prints it).")
 
 

@@ -279,22 +279,29 @@ def _holder(output_dir: Path) -> str:
     return f"{info['host']} pid {info['pid']}" if "host" in info else "another process"
 
 
-def _decide(job: _Job) -> tuple[str, str]:
-    """(action, reason) for a step as things stand: the one rule that both `plan` and the backends follow."""
+def _decide(job: _Job, locked: bool) -> tuple[str, str]:
+    """(action, reason) for a step as things stand: the one rule that `plan` reports and `_execute_job` acts on.
+
+    `locked`: another process holds the step's lock (`plan` looks; the executor passes False once it holds the
+    lock itself). A resumable step whose Ray worker was lost continues in place: the driver recorded the loss in
+    step.json (after the last attempt, for the next `execute`), or `job` is the driver's retry (`attempt` > 1)
+    of a step that the dead worker left RUNNING or FAILED (the driver records the loss only where it finds the
+    step RUNNING and its lock free).
+    """
     status = read_status(job.output_dir)
     if status == SUCCESS:
         return "skip", "SUCCESS"
-    if _lock_held(job.lock_path):
+    if locked:
         return "wait", f"RUNNING in {_holder(job.output_dir)}"
+    info = _read_info(job.output_dir)
+    if job.step.resumable and status in (RUNNING, FAILED) and (job.attempt > 1 or "worker_lost" in info):
+        return "resume", "its Ray worker was lost; runs again in place, from its checkpoint"
     if status == RUNNING:
         return "run", "crashed while RUNNING (no process holds its lock); partial output will be moved aside"
-    if status == FAILED and job.step.resumable and "worker_lost" in _read_info(job.output_dir):
-        return "resume", "its Ray worker was lost; runs again in place, from its checkpoint"
     if status == FAILED:
         return "run", "FAILED before; partial output will be moved aside"
     if status == PREEMPTED:
-        return "resume", (f"preempted at step {_read_info(job.output_dir).get('preempted_at')}; runs again in "
-                          "place, from its checkpoint")
+        return "resume", f"preempted at step {info.get('preempted_at')}; runs again in place, from its checkpoint"
     if job.output_dir.exists():
         return "run", "directory without a status; it will be moved aside"
     return "run", "not run yet"
@@ -302,7 +309,8 @@ def _decide(job: _Job) -> tuple[str, str]:
 
 def plan(steps: list[Step], root: str | Path) -> list[PlannedStep]:
     """What `execute` would do now, step by step, without running or writing anything."""
-    return [PlannedStep(j.step.name, j.version, j.output_dir, *_decide(j)) for j in _jobs(steps, root)]
+    return [PlannedStep(j.step.name, j.version, j.output_dir, *_decide(j, _lock_held(j.lock_path)))
+            for j in _jobs(steps, root)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +325,7 @@ def _move_aside(output_dir: Path) -> Path:
 
 
 def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcomes: StepOutcome) -> StepOutcome:
-    """Run one step unless it is done; the same code in this process (local) or a Ray worker (ray)."""
+    """Do what `_decide` says for one step; the same code in this process (local) or a Ray worker (ray)."""
     name, out = job.step.name, job.output_dir
     base = {"step": name, "version": job.version, "output_dir": str(out), "host": socket.gethostname(),
             "pid": os.getpid(), "attempt": job.attempt}
@@ -332,7 +340,7 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
     blocked = [o.name for o in dep_outcomes if o.status != SUCCESS]
     if blocked:
         return outcome("blocked", None, error=f"dependency {', '.join(blocked)} did not succeed")
-    if read_status(out) == SUCCESS:  # SUCCESS is final: no lock needed to trust it
+    if _decide(job, _lock_held(job.lock_path))[0] == "skip":  # SUCCESS is final: no lock needed to trust it
         emit("skipped", status=SUCCESS)
         return outcome("skipped", SUCCESS)
     job.lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -344,16 +352,15 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process runs this step: wait for it, then look again
             waited = True
         try:
-            status = read_status(out)
-            if status == SUCCESS:
+            action, _ = _decide(job, locked=False)  # asked again: another process may have run it meanwhile
+            if action == "skip":
                 emit("skipped", status=SUCCESS, waited=waited)
                 return outcome("skipped", SUCCESS, waited=waited)
-            previous = _read_info(out)
-            # Its Ray worker died (in this run, or in the last one after every attempt): continue from its state.
-            lost = job.step.resumable and status in (RUNNING, FAILED) and (job.attempt > 1
-                                                                           or "worker_lost" in previous)
-            if status == PREEMPTED or lost:  # it left a state to continue from: run again in the same directory
-                key, value = ("lost_attempts", "attempt") if lost else ("preemptions", "preempted_at")
+            status, previous = read_status(out), _read_info(out)
+            preempted = status == PREEMPTED
+            lost = action == "resume" and not preempted  # its Ray worker died (`_decide` says when that resumes)
+            if action == "resume":  # it left a state to continue from: run again in the same directory
+                key, value = ("preemptions", "preempted_at") if preempted else ("lost_attempts", "attempt")
                 resumed = {k: previous[k] for k in ("preemptions", "lost_attempts") if k in previous}
                 resumed[key] = [*resumed.get(key, []), previous.get(value)]
                 moved = None
@@ -368,7 +375,7 @@ def _execute_job(job: _Job, on_event: Callable[[dict], None] | None, *dep_outcom
             write_text(out / STATUS_FILE, RUNNING)
             try:
                 emit("started", status=RUNNING, moved_aside=moved,
-                     **({"resumed_at": resumed["preemptions"][-1]} if status == PREEMPTED else {}),
+                     **({"resumed_at": resumed["preemptions"][-1]} if preempted else {}),
                      **({"in_place": True} if lost else {}))
                 result = job.step.fn(StepContext(name, job.version, out, config, dict(job.dep_dirs)))
                 if result is not None:
