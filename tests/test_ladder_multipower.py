@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_ladder_fit import _schedule
 
-from moelab.ladder.curve import CurveLaw, Run, _drop_terms, curve_loss, multipower_drop
+from moelab.ladder.curve import CurveLaw, Run, curve_loss, drop_terms, multipower_drop
 from moelab.ladder.fit import fit_curve_law
 
 # one size, a drop term that settles over a LR area of ~200 steps at peak LR, Luo et al.'s exponents
@@ -36,9 +36,9 @@ def test_the_binned_drop_sum_matches_the_per_step_sum_of_luo_et_al(kind):
 
 
 def test_the_drop_gradient_the_fit_searches_with_is_the_drop_sums_derivative():
-    """The fit's analytic gradient (`fit._fit_rows`) rests on these derivatives: central differences agree."""
+    """The fit's analytic gradient (`fit.sse_and_gradient`) rests on these derivatives: central differences agree."""
     run = _run("r", "cosine", num_steps=2000, every=100)
-    terms = _drop_terms(run, run.steps.astype(np.int64))
+    terms = drop_terms(run, run.steps.astype(np.int64))
     q = np.array([np.log(TRUE.tau), np.log(TRUE.power), TRUE.gamma])
 
     def drop(q):

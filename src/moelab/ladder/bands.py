@@ -36,7 +36,7 @@ from moelab.errors import DataError
 from moelab.ladder import NUM_BOOTSTRAP
 from moelab.ladder.contract import INTERVAL_COLUMNS
 from moelab.ladder.curve import TRANSIENT_FRACTION, CurveLaw, Run, curve_loss, curve_losses, fitted_rows, past_warmup
-from moelab.ladder.fit import EXPONENT_BOUNDS, _anneal_params, _check_ladder, _fit_rows, _noise_of, noise_scale
+from moelab.ladder.fit import fit_rows, measure_noise, noise_scale, tabulate_rows, warm_start
 
 __all__ = [
     "PROGRESS_EDGES",
@@ -66,7 +66,7 @@ class CurveBootstrap:
     A new run's loss at a row = the law + its own offset u (seed, data order, how its shape sits off
     the size law; shared by all its rows) + checkpoint noise e. run_sd and checkpoint_sd estimate
     the sds of u and e from the full-data residuals, with the degrees of freedom the fit left
-    (`_variance_components`): R - 3 and n - R - 4 when E, A and alpha absorb three run levels and
+    (`fit.variance_components`): R - 3 and n - R - 4 when E, A and alpha absorb three run levels and
     B, beta, C and tau nothing else, fewer runs' worth when the law's other terms also absorb run
     levels, more when a parameter sits on its bound. The dofs matter: `predict_with_bands` draws u and e from
     Student t's with them, so an sd estimated from a handful of runs widens the band instead of
@@ -172,9 +172,9 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     `CurveBootstrap.progress_scale`); the refits do not use it (they resample whole residual curves,
     which carry it already), the bands and the live forecast do.
     """
-    rows = replace(_check_ladder(runs, law.form, law.lr_law), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
+    rows = replace(tabulate_rows(runs, law.form, law.lr_law), noise_exponent=law.noise_exponent, noise_ref=law.noise_ref,
                    prior_weight=law.prior_weight)
-    predicted, residuals, (run_var, run_dof, checkpoint_var, checkpoint_dof) = _noise_of(rows, law)
+    predicted, residuals, (run_var, run_dof, checkpoint_var, checkpoint_dof) = measure_noise(rows, law)
     scale = rows.scale
     within = [r - r.mean() for r in residuals]
     profile = _progress_profile(within, rows.split(rows.progress))
@@ -186,12 +186,12 @@ def bootstrap_curve_law(runs: Sequence[Run], law: CurveLaw, num_samples: int = N
     mean_square = float(sum(np.sum(w**2) for w in within)) / len(rows.loss)
     shrink = math.sqrt(checkpoint_var / mean_square) if mean_square > 0 else 0.0
     rng = np.random.default_rng(seed)
-    start = np.array([law.alpha if law.size is None else EXPONENT_BOUNDS[0], law.beta, *_anneal_params(law)])
+    start = warm_start(law)
     laws = []
     for _ in progress(range(num_samples)):
         draws, signs = rng.choice(run_draws, len(residuals)), rng.choice([-1.0, 1.0], len(residuals))
         noise = np.concatenate([u + sign * shrink * w for u, sign, w in zip(draws, signs, within)])
-        laws.append(_fit_rows(replace(rows, loss=predicted + scale * noise), start))
+        laws.append(fit_rows(replace(rows, loss=predicted + scale * noise), start))
     return CurveBootstrap(tuple(laws), math.sqrt(run_var), run_dof, math.sqrt(checkpoint_var), checkpoint_dof,
                           law.noise_exponent, law.noise_ref, profile)
 
@@ -208,7 +208,7 @@ class SharedNoise:
     the same g. Given the
     k runs' mean residual m(s) at its step, g's best linear unbiased predictor (a random effect's
     BLUP; Robinson 1991, "That BLUP is a good thing") is rho_k * m(s), rho_k = shared_var /
-    (shared_var + own_var / k). Read by moments over the fitted rows, like `_variance_components`:
+    (shared_var + own_var / k). Read by moments over the fitted rows, like `fit.variance_components`:
     own_var from the spread of the runs around m(s) at steps with two or more runs, shared_var from
     the mean square of m(s) less own_var / k, clipped at 0 (runs on different data orders share
     nothing, and borrow nothing). Borrowed at every row past warmup, where the runs' residuals are.

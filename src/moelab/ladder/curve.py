@@ -26,8 +26,8 @@ The multi-power law (Luo et al. 2025, L = L0 + A (S1 + S_W)^-alpha - LD(t) with
 LD(t) = B sum_k (lr_{k-1} - lr_k) G(lr_k^-gamma S_k(t)), G(x) = 1 - (C x + 1)^-beta) is the other
 form of the annealing term, `form="multipower"` (`multipower_drop`): more faithful for deep, long
 anneals, with two more nonlinear parameters and a drop sum over every earlier step (binned,
-`_DropTerms`), so its fits and bootstrap cost ~3-10x more (its search has an analytic gradient,
-`_DropTerms.drop_and_gradient`, without which they cost twice that). Which form is the default was decided on
+`DropTerms`), so its fits and bootstrap cost ~3-10x more (its search has an analytic gradient,
+`DropTerms.drop_and_gradient`, without which they cost twice that). Which form is the default was decided on
 real public curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves").
 Rows before a run first reaches its peak LR are not fitted: neither law describes warmup.
 
@@ -71,6 +71,9 @@ __all__ = [
     "exposure_identified",
     "effective_tokens",
     "anneal_drop",
+    "anneal_drops",
+    "DropTerms",
+    "drop_terms",
     "multipower_drop",
     "past_warmup",
     "fitted_rows",
@@ -247,7 +250,14 @@ def _ema(drop: np.ndarray, tau: float) -> np.ndarray:
 
 def anneal_drop(run: Run, tau: float) -> np.ndarray:
     """S2 at each row: the EMA over steps (decay exp(-1/tau)) of the LR's drop below its running peak."""
-    return _ema(_drop_profile(run), tau)[run.steps.astype(np.int64)]
+    return anneal_drops(run, [tau])[0]
+
+
+def anneal_drops(run: Run, taus: Sequence[float]) -> np.ndarray:
+    """[K, R] `anneal_drop` for each delay in `taus`, with the run's drop profile computed once (the fit tabulates
+    S2 over tau this way, `fit.FitRows`)."""
+    drop, rows = _drop_profile(run), run.steps.astype(np.int64)
+    return np.array([_ema(drop, tau)[rows] for tau in taus])
 
 
 # The multi-power law's drop term sums over every step before a row; its steps are grouped in bins that grow
@@ -257,8 +267,11 @@ _BINS_PER_DOUBLING = 4
 
 
 @dataclass(frozen=True, eq=False)
-class _DropTerms:
-    """Every (row, bin) pair with LR drop in it: what `multipower_drop` sums, independent of the law's parameters."""
+class DropTerms:
+    """Every (row, bin) pair with LR drop in it: what `multipower_drop` sums, independent of the law's parameters.
+
+    Built by `drop_terms`; the fit builds it once for its rows and evaluates it at every point of its search.
+    """
 
     row: np.ndarray  # [P] the row each pair belongs to
     mass: np.ndarray  # [P] the drop of relative LR within the bin
@@ -273,7 +286,7 @@ class _DropTerms:
 
     def drop_and_gradient(self, tau: float, power: float, gamma: float) -> np.ndarray:
         """[4, rows]: `drop`, then its derivatives in (log tau, log power, gamma), for the multi-power fit's
-        analytic gradient (`fit._fit_rows`). With u = lr^-gamma * area / tau and G = 1 - (1 + u)^-power:
+        analytic gradient (`fit.sse_and_gradient`). With u = lr^-gamma * area / tau and G = 1 - (1 + u)^-power:
         dG/dlog tau = -power u (1 + u)^-(power + 1), dG/dgamma = log(lr) times that, and
         dG/dlog power = power log(1 + u) (1 + u)^-power.
         """
@@ -286,15 +299,19 @@ class _DropTerms:
         return np.stack([np.bincount(self.row, weights=self.mass * g, minlength=self.num_rows) for g in parts])
 
     @staticmethod
-    def concat(parts: Sequence["_DropTerms"]) -> "_DropTerms":
+    def concat(parts: Sequence["DropTerms"]) -> "DropTerms":
+        """One `DropTerms` whose rows are `parts`' rows in order (several runs' rows as one fit reads them)."""
         offsets = np.cumsum([0] + [p.num_rows for p in parts[:-1]])
-        return _DropTerms(np.concatenate([p.row + o for p, o in zip(parts, offsets)]),
-                          np.concatenate([p.mass for p in parts]), np.concatenate([p.lr for p in parts]),
-                          np.concatenate([p.area for p in parts]), int(sum(p.num_rows for p in parts)))
+        return DropTerms(np.concatenate([p.row + o for p, o in zip(parts, offsets)]),
+                         np.concatenate([p.mass for p in parts]), np.concatenate([p.lr for p in parts]),
+                         np.concatenate([p.area for p in parts]), int(sum(p.num_rows for p in parts)))
 
 
-def _drop_terms(run: Run, picks: np.ndarray) -> _DropTerms:
-    """The multi-power drop sum's bins at the steps `picks` of `run` (geometric in the distance back from each)."""
+def drop_terms(run: Run, picks: np.ndarray) -> DropTerms:
+    """The multi-power drop sum's bins at the steps `picks` of `run` (geometric in the distance back from each).
+
+    `picks`: whole optimizer steps of `run`'s rows (int64), e.g. `run.steps[fitted_rows(run)].astype(np.int64)`.
+    """
     rel = _dense_lr(run)
     delta = np.diff(_drop_profile(run), prepend=0.0)  # the drop's growth at each step (negative on a re-warmup)
     area = np.concatenate([[0.0], np.cumsum(rel)])  # area[k] = sum of rel over steps < k
@@ -313,7 +330,7 @@ def _drop_terms(run: Run, picks: np.ndarray) -> _DropTerms:
     centre = np.clip((cum_moment[hi] - cum_moment[lo]) / mass, lo, hi - 1)
     lr = np.maximum(np.interp(centre, k, rel), 1e-3)
     since = area[picks[rows] + 1] - np.interp(centre, np.arange(len(area)), area)
-    return _DropTerms(rows, mass, lr, np.maximum(since, 0.0), len(picks))
+    return DropTerms(rows, mass, lr, np.maximum(since, 0.0), len(picks))
 
 
 def multipower_drop(run: Run, tau: float, power: float, gamma: float) -> np.ndarray:
@@ -326,7 +343,7 @@ def multipower_drop(run: Run, tau: float, power: float, gamma: float) -> np.ndar
     with eta's drop taken below its running peak (warmup adds nothing, as for `anneal_drop`). Once a drop
     has settled G = 1 and the sum is the drop itself, so B reads like the Tissue form's C.
     """
-    return _drop_terms(run, run.steps.astype(np.int64)).drop(tau, power, gamma)
+    return drop_terms(run, run.steps.astype(np.int64)).drop(tau, power, gamma)
 
 
 def past_warmup(run: Run) -> np.ndarray:
@@ -350,7 +367,7 @@ def curve_losses(laws: Sequence[CurveLaw], run: Run) -> np.ndarray:
         _check_size(laws[0], run)
     s1, drop, picks = effective_tokens(run), _drop_profile(run), run.steps.astype(np.int64)
     safe_s1 = np.where(s1 > 0, s1, 1.0)
-    terms = _drop_terms(run, picks) if any(law.form == "multipower" for law in laws) else None
+    terms = drop_terms(run, picks) if any(law.form == "multipower" for law in laws) else None
     out = np.empty((len(laws), len(s1)))
     for i, law in enumerate(laws):
         x = law.exposure_factor(run)

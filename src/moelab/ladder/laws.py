@@ -3,7 +3,7 @@
 Every law here is linear in some parameters and nonlinear in its exponents. Each fit solves the
 linear ones exactly (non-negative least squares) for given exponents, so the search runs over the
 exponents alone (variable projection; Golub & Pereyra 1973): a grid, then L-BFGS-B from the best
-grid point. The curve law's fit (`fit`) searches the same way, with `_best_on_grid` and `_search`.
+grid point. The curve law's fit (`fit`) searches the same way, with `best_on_grid` and `search_bounded`.
 
 1. Compute envelope (Kaplan et al. 2020; Hoffmann et al. 2022, approach 1):
 
@@ -32,6 +32,8 @@ from scipy import optimize, special
 from moelab.errors import DataError
 
 __all__ = [
+    "search_bounded",
+    "best_on_grid",
     "EnvelopeFit",
     "ChinchillaFit",
     "lower_envelope",
@@ -61,8 +63,8 @@ def _array(name: str, values, size: int | None = None, positive: bool = False) -
     return out
 
 
-def _search(objective: Callable[[np.ndarray], float], start: np.ndarray, bounds,
-            gradient: Callable[[np.ndarray], tuple[float, np.ndarray]] | None = None) -> np.ndarray:
+def search_bounded(objective: Callable[[np.ndarray], float], start: np.ndarray, bounds,
+                   gradient: Callable[[np.ndarray], tuple[float, np.ndarray]] | None = None) -> np.ndarray:
     """L-BFGS-B from `start`, kept only if it improves on it (a failed line search can end worse).
 
     `gradient`, when given, returns (objective, its gradient) in one call; otherwise finite differences."""
@@ -71,7 +73,8 @@ def _search(objective: Callable[[np.ndarray], float], start: np.ndarray, bounds,
     return result.x if result.fun <= objective(start) else np.asarray(start, dtype=np.float64)
 
 
-def _best_on_grid(objective: Callable[[np.ndarray], float], grids: Sequence[np.ndarray]) -> np.ndarray:
+def best_on_grid(objective: Callable[[np.ndarray], float], grids: Sequence[np.ndarray]) -> np.ndarray:
+    """The point of the grids' product where `objective` is lowest: the start every bounded search here takes."""
     points = np.stack(np.meshgrid(*grids, indexing="ij"), -1).reshape(-1, len(grids))
     return points[int(np.argmin([objective(p) for p in points]))]
 
@@ -128,8 +131,8 @@ def fit_compute_envelope(compute, loss, loss_floor: float | None = None) -> Enve
     def sse(p):
         return solve(float(p[0]))[2]
 
-    start = _best_on_grid(sse, [np.geomspace(1e-3, 2.0, 40)])
-    (alpha,) = _search(sse, start, [(1e-4, 3.0)])
+    start = best_on_grid(sse, [np.geomspace(1e-3, 2.0, 40)])
+    (alpha,) = search_bounded(sse, start, [(1e-4, 3.0)])
     floor, coef, err = solve(float(alpha))
     return EnvelopeFit(floor, coef * math.exp(alpha * log_ref), float(alpha), loss_floor is not None,
                        math.sqrt(err / len(c)))
@@ -203,13 +206,13 @@ def fit_chinchilla(params, tokens, loss, huber_delta: float = 1e-3) -> Chinchill
         return huber(e, a, p[0], b, p[1])
 
     grid = np.linspace(0.05, 1.5, 12)
-    alpha, beta = _search(projected, _best_on_grid(projected, [grid, grid]), [(0.01, 3.0)] * 2)
+    alpha, beta = search_bounded(projected, best_on_grid(projected, [grid, grid]), [(0.01, 3.0)] * 2)
     e, a, b = project(alpha, beta)
 
     def joint(q):
         return huber(q[0], q[1], q[3], q[2], q[4])
 
-    e, a, b, alpha, beta = _search(joint, np.array([e, a, b, alpha, beta]), [(0.0, None)] * 3 + [(0.01, 3.0)] * 2)
+    e, a, b, alpha, beta = search_bounded(joint, np.array([e, a, b, alpha, beta]), [(0.0, None)] * 3 + [(0.01, 3.0)] * 2)
     return ChinchillaFit(float(e), float(a * math.exp(alpha * ref_n)), float(alpha),
                          float(b * math.exp(beta * ref_d)), float(beta), huber_delta,
                          joint([e, a, b, alpha, beta]))
