@@ -41,7 +41,7 @@ import jax  # noqa: E402
 from moelab import presets  # noqa: E402
 from moelab.config import MeshConfig, RunConfig, override  # noqa: E402
 from moelab.model import exchange  # noqa: E402
-from moelab.train import memory_plan  # noqa: E402
+from moelab.train import hlo  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,14 +74,14 @@ def expected_bytes(cfg: RunConfig) -> int:
     m, moe = cfg.model, cfg.model.moe
     X = cfg.mesh.expert
     tokens_per_device = cfg.train.batch_size * m.seq_len // cfg.mesh.num_devices
-    P = exchange.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves, moe.transport_factor)
+    P = exchange.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves, moe.resolved_transport_capacity_factor)
     row_bytes = 2 if cfg.train.compute_dtype == "bfloat16" else 4
     return m.num_layers * moe.num_waves * (4 * P * m.expert_input_dim * row_bytes + P * 4) * (X - 1)
 
 
 def compiled_all_to_all_bytes(cfg: RunConfig) -> int:
     """Compiles one train step on cfg.mesh (abstract inputs; nothing runs) and counts its all-to-all bytes."""
-    return memory_plan.collective_bytes(memory_plan.compile_step(cfg).as_text(), cfg.mesh.num_devices)["all-to-all"]
+    return hlo.collective_bytes(hlo.compile_step(cfg).as_text(), cfg.mesh.num_devices)["all-to-all"]
 
 
 def measure(cfg: RunConfig, mesh: MeshConfig, waves: tuple[int, ...] = (1, 3)) -> dict:

@@ -7,8 +7,8 @@ The layout rule of a rack-scale run is that only the gradient crosses racks, onc
 model shrunk to CPU size (d_model 256, 2 layers, 16 experts top-8 of width 128, latent 128, 2 shared experts,
 3 waves at four microbatches), the real train step (`make_train_step`) is compiled on simulated devices for
 each layout and one and four microbatches, with and without remat, and every collective of its HLO is
-classified by its replica groups (`memory_plan.collective_bytes_by_link`: a group holding devices of two racks
-crosses the network). Beside each figure, what `moelab plan` counts (`memory_plan.communication`, as XLA on
+classified by its replica groups (`hlo.collective_bytes_by_link`: a group holding devices of two racks
+crosses the network). Beside each figure, what `moelab plan` counts (`traffic.communication`, as XLA on
 CPU moves it); and the checks of issue 58: across racks, four microbatches send at most 1.1x one microbatch's
 bytes and at most 2.2x one device's float32 gradient shard (parameters / devices in a rack x 4 bytes), and no
 all-gather or all-to-all (the router scores' old route) crosses racks under `rack`.
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 
 from moelab import presets  # noqa: E402
 from moelab.config import RunConfig, override  # noqa: E402
-from moelab.train import memory_plan  # noqa: E402
+from moelab.train import hlo, traffic  # noqa: E402
 from moelab.train.state import init_state  # noqa: E402
 
 MESHES = ("replica=2,expert=4", "replica=2,expert=8")
@@ -67,10 +67,10 @@ def gradient_shard_bytes(cfg: RunConfig) -> float:
 def measure(cfg: RunConfig) -> dict:
     """Compiled and planned bytes by link for one config, and what crosses racks by kind."""
     n, X = cfg.mesh.num_devices, cfg.mesh.expert
-    compiled = memory_plan.collective_bytes_by_link(memory_plan.compile_step(cfg).as_text(), n, X)
-    planned = memory_plan.communication(cfg, "cpu")
+    compiled = hlo.collective_bytes_by_link(hlo.compile_step(cfg).as_text(), n, X)
+    planned = traffic.communication(cfg, "cpu")
     row = {"layout": cfg.mesh.shard, "microbatches": cfg.train.microbatches, "remat": cfg.model.remat}
-    for link in memory_plan.LINKS:
+    for link in hlo.LINKS:
         got = sum(compiled[link].values())
         counted = sum(v for k, v in planned.items() if k.endswith(link))
         row[link] = {"compiled": got, "planned": counted, "planned_over_compiled": counted / got if got else None,
@@ -90,7 +90,7 @@ def run_mesh(spec: str) -> dict:
         "rack_crosses_only_all_reduce": all(set(r["across_racks"]["compiled_by_kind"]) <= {"all-reduce"}
                                             for r in rows if r["layout"] == "rack"),
         "worst_planned_over_compiled": max(abs(r[link]["planned_over_compiled"] - 1)
-                                           for r in rows for link in memory_plan.LINKS
+                                           for r in rows for link in hlo.LINKS
                                            if r[link]["planned_over_compiled"] is not None) + 1,
     }
     return {"mesh": {"replica": replica, "expert": expert}, "backend": jax.default_backend(), "rows": rows,

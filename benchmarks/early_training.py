@@ -29,7 +29,8 @@ from moelab import presets
 from moelab.config import RunConfig, override, parse_overrides
 from moelab.errors import ConfigError
 from moelab.data.mixture import phase_at, sample_batch
-from moelab.train.loop import make_train_step, prepare_corpus
+from moelab.train.loop import prepare_corpus
+from moelab.train.step import make_train_step
 from moelab.train.state import init_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

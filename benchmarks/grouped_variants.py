@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from moelab.model import dispatch as dispatch_lib
 from moelab.model import grouped_matmul
 # The library's private pieces, so that a variant differs from it only where its docstring says.
-from moelab.model.dispatch import _combine, _padded_rows, _stats
+from moelab.model.dispatch import _padded_rows, _stats, combine
 from moelab.model.grouped_matmul import _block_kernel, _differentiable, _dw_kernel, _Launch
 from moelab.model.rows import take_rows
 
@@ -145,4 +145,4 @@ def grouped(h, routing, experts, tiles: dict | None = None, fuse_gather: bool = 
     else:
         x = take_rows(h, row_assignment // k, assignment_row)  # [M, Din]; padding rows are zero
         y = swiglu(x, experts, block_expert, group_offsets, tiles)
-    return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
+    return combine(take_rows(y, assignment_row, row_assignment), routing.weights), _stats(routing, E, 0.0)

@@ -36,7 +36,8 @@ from moelab.errors import ConfigError
 from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train import memory_plan
-from moelab.train.loop import compute_dtype, make_train_step
+from moelab.train.state import compute_dtype
+from moelab.train.step import make_train_step
 from moelab.train.state import init_sharded_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads

@@ -22,7 +22,7 @@ import time
 
 from moelab import presets
 from moelab.config import override
-from moelab.train import memory_plan
+from moelab.train import hlo, memory_plan
 
 CASES = {
     "tiny": ("tiny", {"mesh.replica": 2, "mesh.expert": 4, "model.moe.dispatch": "ep"}),
@@ -37,7 +37,7 @@ def measure(name: str) -> dict:
     started = time.perf_counter()
     planned = memory_plan.plan(cfg, platform="cpu")
     plan_seconds = time.perf_counter() - started
-    xla = memory_plan.compile_in_subprocess(cfg)
+    xla = hlo.compile_in_subprocess(cfg)
     return {"case": name, "devices": cfg.mesh.num_devices, "mesh": planned.mesh, "microbatches": cfg.train.microbatches,
             "rows_per_microbatch": planned.rows_per_microbatch, "plan_bytes": planned.total, "xla_bytes": xla["total"],
             "plan_vs_xla": round(planned.total / xla["total"] - 1, 4), "plan_terms": planned.terms,

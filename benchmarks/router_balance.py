@@ -39,7 +39,8 @@ from moelab.config import MoEConfig
 from moelab.data.mixture import eval_batches, phase_at, sample_batch
 from moelab.model import balancing as balancing_lib
 from moelab.model import router
-from moelab.train.loop import evaluate, make_eval_step, make_train_step, prepare_corpus
+from moelab.train.loop import prepare_corpus
+from moelab.train.step import evaluate, make_eval_step, make_train_step
 from moelab.train.state import init_state
 
 RULES = ("hist", "exact", "sign", "aux", "none")

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from moelab import accounting, presets
 from moelab.data.mixture import phase_at, sample_batch
-from moelab.train.loop import make_train_step, prepare_corpus
+from moelab.train.loop import prepare_corpus
+from moelab.train.step import make_train_step
 from moelab.train.state import init_state
 
 

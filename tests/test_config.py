@@ -241,9 +241,9 @@ def test_frontier_preset_is_535b_total_23b_active_and_27e23_flops():
 ])
 def test_ladder_presets_keep_the_frontier_routing_geometry(name, d, layers, heads, kv):
     m = presets.get(name).model
-    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.dim_per_head) == (d, layers, heads, kv, 128)
+    assert (m.d_model, m.num_layers, m.num_heads, m.num_kv_heads, m.resolved_head_dim) == (d, layers, heads, kv, 128)
     assert (m.moe.num_experts, m.moe.num_experts_per_token, m.moe.num_shared_experts) == (384, 8, 2)
-    assert m.moe.expert_dim == m.moe.latent_dim == m.moe.shared_dim == d // 2
+    assert m.moe.expert_dim == m.moe.latent_dim == m.moe.resolved_shared_expert_dim == d // 2
     assert (m.vocab_size, m.seq_len) == (128256, 4096)
 
 
@@ -267,7 +267,7 @@ def test_accounting_total_equals_the_parameters_the_model_initializes(latent, sh
     params = transformer.init(cfg, jax.random.key(0))
     assert accounting.count_params(cfg).total == sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
     if dense:  # a dense block is all active, at the MoE block's active width by default: 2 x 24 + 2 x 12
-        assert cfg.dense_dim == 72 and params["dense_layers"]["w_mlp_gate"].shape == (1, 32, 72)
+        assert cfg.resolved_dense_ffn_dim == 72 and params["dense_layers"]["w_mlp_gate"].shape == (1, 32, 72)
         moe_only = accounting.count_params(dataclasses.replace(cfg, dense_layers=0))
         assert moe_only.total - accounting.count_params(cfg).total == 2 * 24 * 3 * 32 + 4 * 32  # experts, router
         assert moe_only.active - accounting.count_params(cfg).active == 4 * 32  # the router alone

@@ -372,8 +372,8 @@ def test_the_model_requires_its_dispatch_and_decoding_runs_without_drops():
 
 
 @pytest.mark.parametrize("transport, expected", [(None, 1.15), (2.0, 2.0)])
-def test_the_transport_factor_is_resolved_once_on_the_config(transport, expected):
-    assert MoEConfig(capacity_factor=1.15, transport_capacity_factor=transport).transport_factor == expected
+def test_the_transport_capacity_factor_is_resolved_once_on_the_config(transport, expected):
+    assert MoEConfig(capacity_factor=1.15, transport_capacity_factor=transport).resolved_transport_capacity_factor == expected
 
 
 def test_group_limited_routing_chooses_within_the_best_groups_and_every_backend_agrees_with_dense():

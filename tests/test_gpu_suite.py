@@ -321,10 +321,10 @@ def test_dense_counterparts_match_active_flops(name):
 def test_gpu_presets_shapes():
     small, medium = presets.get("gpu-small").model, presets.get("gpu-medium").model
     for m, d, width, seq in ((small, 1024, 512, 2048), (medium, 2048, 1024, 4096)):
-        assert (m.d_model, m.dim_per_head, m.num_heads // m.num_kv_heads, m.seq_len) == (d, 128, 4, seq)
+        assert (m.d_model, m.resolved_head_dim, m.num_heads // m.num_kv_heads, m.seq_len) == (d, 128, 4, seq)
         assert (m.moe.num_experts, m.moe.num_experts_per_token, m.moe.expert_dim, m.moe.latent_dim) == (64, 8, width,
                                                                                                         width)
-        assert (m.moe.num_shared_experts, m.moe.shared_dim, m.moe.dispatch, m.moe.balancing) == (2, width, "capacity",
+        assert (m.moe.num_shared_experts, m.moe.resolved_shared_expert_dim, m.moe.dispatch, m.moe.balancing) == (2, width, "capacity",
                                                                                                  "hist")
     assert presets.get("gpu-small").train.compute_dtype == "bfloat16"
 

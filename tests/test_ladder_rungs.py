@@ -27,8 +27,8 @@ def test_rungs_of_the_frontier_reproduce_the_ladder_presets(d, layers):
     assert rung.model == preset.model
     assert rung.train.steps == preset.train.steps
     m = rung.model
-    assert (m.num_heads, m.dim_per_head, m.moe.num_experts, m.moe.num_experts_per_token) == (d // 128, 128, 384, 8)
-    assert m.moe.expert_dim == m.moe.latent_dim == m.moe.shared_dim == d // 2
+    assert (m.num_heads, m.resolved_head_dim, m.moe.num_experts, m.moe.num_experts_per_token) == (d // 128, 128, 384, 8)
+    assert m.moe.expert_dim == m.moe.latent_dim == m.moe.resolved_shared_expert_dim == d // 2
 
 
 def test_rungs_keep_the_targets_tokens_per_active_parameter():

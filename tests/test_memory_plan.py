@@ -13,7 +13,7 @@ from helpers import load_benchmark, run_cli
 from moelab import accounting, presets
 from moelab.config import override
 from moelab.parallel import mesh as mesh_lib
-from moelab.train import memory_plan
+from moelab.train import hlo, memory_plan, run_length, traffic
 from moelab.train.state import init_state, state_shardings
 
 
@@ -76,7 +76,7 @@ def test_the_frontier_fits_its_rack_of_186_gb(monkeypatch, capsys):
     # (every parameter over the 64 of a rack), whatever the 16 microbatches; in bfloat16 if asked, half.
     shard = 4 * accounting.count_params(presets.get("frontier-535b").model).total / 64
     assert plan["comm_bytes"]["all_reduce_across_racks"] == pytest.approx(2 * 10 / 11 * shard, rel=0.01)
-    halved = memory_plan.communication(override(presets.get("frontier-535b"), {"train.grad_reduce_dtype": "bfloat16"}))
+    halved = traffic.communication(override(presets.get("frontier-535b"), {"train.grad_reduce_dtype": "bfloat16"}))
     assert halved["all_reduce_across_racks"] == pytest.approx(plan["comm_bytes"]["all_reduce_across_racks"] / 2, rel=1e-3)
     assert {k: v for k, v in halved.items() if k != "all_reduce_across_racks"} == \
         {k: v for k, v in plan["comm_bytes"].items() if k != "all_reduce_across_racks"}
@@ -133,7 +133,7 @@ def test_bad_planner_input_exits_2_naming_the_field(args, field, monkeypatch, ca
 
 
 def test_collectives_in_a_loop_count_once_per_iteration_by_what_each_device_sends():
-    hlo = """HloModule m
+    text = """HloModule m
 
 %body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
   %x = f32[8]{0} parameter(0)
@@ -148,7 +148,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   ROOT %ar = f32[8]{0} all-reduce(%a), replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}
 }
 """
-    counted = memory_plan.collective_bytes(hlo, num_devices=8)
+    counted = hlo.collective_bytes(text, num_devices=8)
     # What one device sends: 3/4 of a gathered result over groups of 4, 1/2 of an exchange over pairs, and
     # (n - 1) results of a reduce-scatter over 4; an all-reduce over groups of one moves nothing.
     assert counted["all-gather"] == 5 * 32 * 4 * 3 // 4 and counted["all-to-all"] == 5 * 8 * 4 // 2
@@ -220,9 +220,12 @@ def test_plan_gives_the_step_time_and_the_runs_days_on_a_device(monkeypatch, cap
     code, out, err = run_cli(["plan", "--preset", "gpu-medium", "--device", "h200", "--json"], monkeypatch, capsys)
     assert code == 0, err
     time = json.loads(out)["time"]
-    flops = accounting.flops_per_token(presets.get("gpu-medium").model) * 4 * 4096
-    assert time["compute_seconds"] == pytest.approx(flops / (0.319 * 989e12))  # the measured MFU by default
-    assert time["days"] == pytest.approx(time["steps"] * time["step_seconds"] / 86400)
+    h200, (measured, _) = run_length.DEVICES["h200"], run_length.MEASURED_MFU["h200"]
+    assert (time["peak_flops"], time["mfu"]) == (h200.peak_flops, measured)  # the device's datasheet, its measured MFU
+    cfg = presets.get("gpu-medium")
+    flops = accounting.flops_per_token(cfg.model) * accounting.tokens_per_step(cfg) / cfg.mesh.num_devices
+    assert time["compute_seconds"] * time["mfu"] * time["peak_flops"] == pytest.approx(flops)
+    assert time["days"] * 86400 == pytest.approx(time["steps"] * time["step_seconds"])
     code, out, _ = run_cli(["plan", "--preset", "gpu-medium", "--device", "h200", "--mfu", "0.638", "--json"],
                            monkeypatch, capsys)
     assert json.loads(out)["time"]["compute_seconds"] == pytest.approx(time["compute_seconds"] / 2)
@@ -246,7 +249,7 @@ def test_the_optimizer_layout_adds_one_gather_of_the_new_parameters_across_racks
     """ZeRO-1 over racks: the gradient moves as under `replicate` (once a step), and the new parameters, updated
     where their moments are, are all-gathered over the whole mesh once: S (n - 1) / n bytes a device."""
     cfg = _tiny_on("optimizer")
-    comm, plain = memory_plan.communication(cfg), memory_plan.communication(_tiny_on("replicate"))
+    comm, plain = traffic.communication(cfg), traffic.communication(_tiny_on("replicate"))
     assert {k: v for k, v in comm.items() if k != "all_gather_across_racks"} == \
         {k: v for k, v in plain.items() if k != "all_gather_across_racks"}
     assert comm["all_gather_across_racks"] > 0 == plain["all_gather_across_racks"]
@@ -260,7 +263,40 @@ def test_dense_first_layers_are_in_the_gradient_the_optimizer_layout_sends():
     m = cfg.model
     experts = m.num_moe_layers * m.moe.num_experts * 3 * m.expert_input_dim * m.moe.expert_dim
     non_expert = 4 * (accounting.count_params(m).total - experts)  # float32
-    split = memory_plan._param_bytes(cfg)
+    split = traffic.param_bytes(cfg)
     assert split.updated_whole == non_expert
     experts_per_device = 4 * experts / 4  # their moments split over the 2 racks too: each device's quarter, halved
-    assert memory_plan.communication(cfg)["all_gather_across_racks"] == int(non_expert * 7 / 8 + experts_per_device / 2)
+    assert traffic.communication(cfg)["all_gather_across_racks"] == int(non_expert * 7 / 8 + experts_per_device / 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# the step time: what overlap may hide
+
+
+def _timed(comm_seconds: dict[str, float], dispatch: str = "ep", waves: int = 3, mfu: float = 0.5) -> dict:
+    """`run_length.estimate` of tiny at `mfu` on a 1 PFLOP/s device with these communication seconds."""
+    from types import SimpleNamespace
+
+    cfg = override(presets.get("tiny"), {"model.moe.dispatch": dispatch, "model.moe.num_waves": waves})
+    return run_length.estimate(cfg, SimpleNamespace(comm_seconds=comm_seconds), 1e15, mfu, "test")
+
+
+def test_with_no_overlap_shown_the_step_is_compute_then_communication(monkeypatch):
+    monkeypatch.setattr(run_length, "SHOWN_OVERLAP", {})
+    time = _timed({"all_to_all_in_rack": 2.0, "all_reduce_across_racks": 3.0})
+    assert time["step_seconds_overlapped"] == time["step_seconds"] == time["compute_seconds"] + 5.0
+    assert (time["in_rack_seconds"], time["across_racks_seconds"]) == (2.0, 3.0)
+    assert time["all_to_all_hideable_seconds"] == pytest.approx(2.0 * 2 / 3)  # 3 waves: the first cannot hide
+
+
+def test_overlap_hides_only_the_shown_share_and_never_more_than_the_compute(monkeypatch):
+    """A share a compiled schedule showed hides that share of its collective's time, capped at the compute (a
+    collective hides behind compute, not behind another collective)."""
+    monkeypatch.setattr(run_length, "SHOWN_OVERLAP", {"all_to_all_in_rack": 0.5})
+    comm = {"all_to_all_in_rack": 1e-9, "all_reduce_across_racks": 1e-9}
+    small = _timed(comm)
+    assert small["step_seconds"] - small["step_seconds_overlapped"] == pytest.approx(0.5e-9)
+    big = _timed({"all_to_all_in_rack": 1e3, "all_reduce_across_racks": 1.0})
+    assert big["step_seconds"] - big["step_seconds_overlapped"] == pytest.approx(big["compute_seconds"])
+    assert big["days_overlapped"] < big["days"]
+    assert _timed(comm, dispatch="capacity", waves=1)["all_to_all_hideable_seconds"] == 0

@@ -42,7 +42,7 @@ def _tokens(key: jax.Array, cfg: ModelConfig = CFG, length: int = S + 1) -> jax.
 
 def test_params_have_the_documented_keys_shapes_and_dtype():
     L, D, V, E = CFG.num_layers, CFG.d_model, CFG.vocab_size, CFG.moe.num_experts
-    NH, KH, Dl, F = CFG.num_heads * CFG.dim_per_head, CFG.num_kv_heads * CFG.dim_per_head, 16, 16
+    NH, KH, Dl, F = CFG.num_heads * CFG.resolved_head_dim, CFG.num_kv_heads * CFG.resolved_head_dim, 16, 16
     Fs = 2 * 8
     want = {
         "embed": (V, D),
@@ -233,7 +233,7 @@ def test_grouped_query_attention_matches_a_reference_with_repeated_kv_heads():
     x = jax.random.normal(jax.random.key(1), (B, S, CFG.d_model))
     out = transformer.attention(layer, x, CFG, jnp.float32)
 
-    N, K, H = CFG.num_heads, CFG.num_kv_heads, CFG.dim_per_head
+    N, K, H = CFG.num_heads, CFG.num_kv_heads, CFG.resolved_head_dim
     xn = np.asarray(x, np.float64)
     q = (xn @ np.asarray(layer["w_q"], np.float64)).reshape(B, S, N, H)
     k = (xn @ np.asarray(layer["w_k"], np.float64)).reshape(B, S, K, H)

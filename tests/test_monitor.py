@@ -12,7 +12,8 @@ import pytest
 from moelab import presets
 from moelab.config import MonitorConfig, override
 from moelab.data.mixture import phase_at, sample_batch
-from moelab.train.loop import make_train_step, prepare_corpus
+from moelab.train.loop import prepare_corpus
+from moelab.train.step import make_train_step
 from moelab.train.monitor import GROUPS, NORM_FLOOR, Monitor, group_norms, router_bias_norms
 from moelab.train.state import init_state
 

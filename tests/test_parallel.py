@@ -30,7 +30,8 @@ from moelab.model.router import route
 from moelab.parallel import ep
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.loop import loss_and_grad, make_train_step, prepare_corpus
+from moelab.train.loop import prepare_corpus
+from moelab.train.step import loss_and_grad, make_train_step
 from moelab.train.state import init_sharded_state, init_state, make_optimizer, state_shardings
 
 E, K = 8, 2  # experts, top-k
@@ -273,7 +274,7 @@ def test_capacity_factor_one_with_a_skewed_router_drops_at_both_stages_exactly_a
     x, routing, experts = _skewed_layer()
     T = x.shape[0]
     cfg = _cfg("ep", latent=False, num_waves=num_waves)
-    layer = _ep_dispatch_on_mesh(cfg, mesh, capacity_factor=1.0, transport_factor=1.0)
+    layer = _ep_dispatch_on_mesh(cfg, mesh, capacity_factor=1.0, transport_capacity_factor=1.0)
     out, stats = jax.jit(layer)(x, routing, experts)
 
     per_device, shards = T // mesh_cfg.num_devices, mesh_cfg.expert
@@ -568,11 +569,11 @@ def test_latent_moe_halves_all_to_all_bytes_and_waves_keep_the_total():
 
 def _across_racks(cfg) -> tuple[dict, dict]:
     """The compiled step's bytes a device sends, by link and kind, and what `moelab plan` counts (as on CPU)."""
-    from moelab.train import memory_plan
+    from moelab.train import hlo, traffic
 
-    hlo = memory_plan.compile_step(cfg).as_text()
-    return (memory_plan.collective_bytes_by_link(hlo, cfg.mesh.num_devices, cfg.mesh.expert),
-            memory_plan.communication(cfg, "cpu"))
+    text = hlo.compile_step(cfg).as_text()
+    return (hlo.collective_bytes_by_link(text, cfg.mesh.num_devices, cfg.mesh.expert),
+            traffic.communication(cfg, "cpu"))
 
 
 def test_only_the_gradient_crosses_racks_once_a_step_whatever_the_microbatches():

@@ -25,7 +25,8 @@ from moelab.errors import ConfigError
 from moelab.model import balancing as balancing_lib
 from moelab.model import moe, router, transformer
 from moelab.model.moe import build_moe
-from moelab.train.loop import _jsonable, make_eval_step, make_train_step
+from moelab.train.loop import _jsonable
+from moelab.train.step import make_eval_step, make_train_step
 from moelab.train.state import init_state
 
 BIAS_RULES = ("exact", "hist", "sign")

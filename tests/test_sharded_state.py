@@ -15,7 +15,7 @@ from moelab.config import override
 from moelab.errors import ConfigError
 from moelab.parallel import mesh as mesh_lib
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.loop import make_train_step
+from moelab.train.step import make_train_step
 from moelab.train.state import init_sharded_state, state_shardings
 
 NO_DROPS = 1000.0  # capacity factors past any routing: a slice of the batch drops what the whole would (nothing)

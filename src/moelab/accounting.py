@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from moelab.config import ModelConfig, RunConfig
 
-__all__ = ["ParamCounts", "count_params", "flops_per_token", "train_tokens", "summarize", "mfu"]
+__all__ = ["ParamCounts", "count_params", "flops_per_token", "tokens_per_step", "train_tokens", "summarize", "mfu"]
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,11 @@ class ParamCounts:
 def _attention_and_norms(cfg: ModelConfig) -> int:
     """Parameters every block has, dense or MoE: attention (with its QK-norm gains) and the two norms."""
     d = cfg.d_model
-    heads = cfg.num_heads * cfg.dim_per_head
-    kv = cfg.num_kv_heads * cfg.dim_per_head
+    heads = cfg.num_heads * cfg.resolved_head_dim
+    kv = cfg.num_kv_heads * cfg.resolved_head_dim
     attention = d * heads + 2 * d * kv + heads * d
     if cfg.qk_norm is not None:  # the queries' and keys' RMSNorm gains
-        attention += 2 * cfg.dim_per_head if cfg.qk_norm == "head" else heads + kv
+        attention += 2 * cfg.resolved_head_dim if cfg.qk_norm == "head" else heads + kv
     return attention + 2 * d
 
 
@@ -44,14 +44,14 @@ def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
     d_in = cfg.expert_input_dim
     latent = 0 if moe.latent_dim is None else 2 * d * moe.latent_dim + moe.latent_dim
     one_expert = 3 * d_in * moe.expert_dim  # SwiGLU: gate, up, down
-    shared = moe.num_shared_experts * 3 * d * moe.shared_dim
+    shared = moe.num_shared_experts * 3 * d * moe.resolved_shared_expert_dim
     common = _attention_and_norms(cfg) + router + latent + shared
     return common + moe.num_experts * one_expert, common + moe.num_experts_per_token * one_expert
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     total_layer, active_layer = _layer_counts(cfg)
-    dense = cfg.dense_layers * (_attention_and_norms(cfg) + 3 * cfg.d_model * cfg.dense_dim)  # all active
+    dense = cfg.dense_layers * (_attention_and_norms(cfg) + 3 * cfg.d_model * cfg.resolved_dense_ffn_dim)  # all active
     embedding = 2 * cfg.vocab_size * cfg.d_model
     final_norm = cfg.d_model
     return ParamCounts(
@@ -65,13 +65,18 @@ def flops_per_token(cfg: ModelConfig) -> int:
     """Training FLOPs (forward + backward) per token, attention included."""
     counts = count_params(cfg)
     lm_head = cfg.d_model * cfg.vocab_size
-    attention = 6 * cfg.num_layers * cfg.seq_len * cfg.num_heads * cfg.dim_per_head
+    attention = 6 * cfg.num_layers * cfg.seq_len * cfg.num_heads * cfg.resolved_head_dim
     return 6 * (counts.active + lm_head) + attention
 
 
+def tokens_per_step(cfg: RunConfig) -> int:
+    """Tokens one optimizer step trains on: global batch x sequence length."""
+    return cfg.train.batch_size * cfg.model.seq_len
+
+
 def train_tokens(cfg: RunConfig) -> int:
-    """Tokens a run trains on: steps x global batch x sequence length."""
-    return cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
+    """Tokens a run trains on: steps x tokens per step."""
+    return cfg.train.steps * tokens_per_step(cfg)
 
 
 def summarize(cfg: RunConfig, tokens: int | None = None) -> dict[str, int | float]:

@@ -215,7 +215,7 @@ class MoEConfig:
             )
 
     @property
-    def shared_dim(self) -> int:
+    def resolved_shared_expert_dim(self) -> int:
         return self.shared_expert_dim if self.shared_expert_dim is not None else self.expert_dim
 
     @property
@@ -224,7 +224,7 @@ class MoEConfig:
         return {knob: getattr(self, knob) for knob in BALANCER_KNOBS[self.balancing]}
 
     @property
-    def transport_factor(self) -> float:
+    def resolved_transport_capacity_factor(self) -> float:
         """`ep`'s sender pool factor, resolved once: `transport_capacity_factor`, or `capacity_factor` when None."""
         return self.transport_capacity_factor if self.transport_capacity_factor is not None else self.capacity_factor
 
@@ -252,8 +252,8 @@ class ModelConfig:
     remat: str = "none"  # none: save everything; dots: save matmul outputs, recompute the rest; full: save inputs
     qk_norm: str | None = None
     """RMSNorm of the queries and keys before RoPE, with learned gains: None (off), "head" (over each head's
-    dim_per_head, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
-    projection, num_heads x dim_per_head for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
+    resolved_head_dim, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
+    projection, num_heads x resolved_head_dim for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
     dense_layers: int = 0
     """How many blocks, counted from the first, run one dense SwiGLU MLP of width `dense_ffn_dim` instead of
     the MoE block (DeepSeek-V3's and GLM-4.5's `first_k_dense_replace`: the first layers' tokens are not yet
@@ -281,7 +281,7 @@ class ModelConfig:
             )
         else:
             _positive_int_or_null(p + "head_dim", self.head_dim, "d_model // num_heads")
-        _check(self.dim_per_head % 2 == 0, p + "head_dim", self.dim_per_head,
+        _check(self.resolved_head_dim % 2 == 0, p + "head_dim", self.resolved_head_dim,
                "must be even: RoPE rotates pairs of dimensions")
         _check(
             self.num_heads % self.num_kv_heads == 0,
@@ -290,9 +290,9 @@ class ModelConfig:
             f"must divide model.num_heads={self.num_heads} (grouped-query attention)",
         )
         _check(self.rope_theta > 0, p + "rope_theta", self.rope_theta, "must be > 0")
-        _check(0 < self.rope_fraction <= 1 and int(self.dim_per_head * self.rope_fraction) % 2 == 0
-               and int(self.dim_per_head * self.rope_fraction) > 0, p + "rope_fraction", self.rope_fraction,
-               f"must be in (0, 1] and rotate an even, non-zero number of the head's {self.dim_per_head} dimensions")
+        _check(0 < self.rope_fraction <= 1 and int(self.resolved_head_dim * self.rope_fraction) % 2 == 0
+               and int(self.resolved_head_dim * self.rope_fraction) > 0, p + "rope_fraction", self.rope_fraction,
+               f"must be in (0, 1] and rotate an even, non-zero number of the head's {self.resolved_head_dim} dimensions")
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _check(self.embed_std > 0, p + "embed_std", self.embed_std, "must be > 0")
         _one_of(p + "remat", self.remat, REMAT)
@@ -320,7 +320,7 @@ class ModelConfig:
                        "must be a multiple of 16 for dispatch 'grouped'; pick another width or dispatch 'capacity'")
 
     @property
-    def dim_per_head(self) -> int:
+    def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
     @property
@@ -329,13 +329,13 @@ class ModelConfig:
         return self.num_layers - self.dense_layers
 
     @property
-    def dense_dim(self) -> int:
+    def resolved_dense_ffn_dim(self) -> int:
         """The dense layers' SwiGLU width: `dense_ffn_dim`, or the hidden units one token meets in a MoE block
         (top-k experts plus the shared ones), so a dense layer costs what the MoE block it replaces does."""
         if self.dense_ffn_dim is not None:
             return self.dense_ffn_dim
         m = self.moe
-        return m.num_experts_per_token * m.expert_dim + m.num_shared_experts * m.shared_dim
+        return m.num_experts_per_token * m.expert_dim + m.num_shared_experts * m.resolved_shared_expert_dim
 
     @property
     def expert_input_dim(self) -> int:

@@ -253,7 +253,7 @@ def scale_model(target: ModelConfig, d_model: int, num_layers: int) -> ModelConf
     Kept: head dim, the KV grouping, the routing geometry (experts, top-k, shared experts), expert /
     latent / shared widths as fractions of d_model, vocabulary and sequence length.
     """
-    head_dim = target.dim_per_head
+    head_dim = target.resolved_head_dim
     if d_model % head_dim:
         raise ConfigError(f"ladder rung d_model={d_model} is invalid: must be a multiple of the target's head dim "
                           f"{head_dim} so the rung keeps the recipe's head size.")

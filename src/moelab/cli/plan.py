@@ -5,7 +5,7 @@
     moelab plan --preset ladder-d1024 --mesh expert=8 --compile      # and XLA's own figures beside the plan
     moelab plan --preset frontier-535b --mesh replica=11,expert=64 --device gb200 --mfu 0.4   # and how long it runs
 
-The counting is `moelab.train.memory_plan`'s; this module parses and prints.
+The counting is `moelab.train.memory_plan`'s and `traffic`'s (`hlo`'s with --compile-xla); this module parses and prints.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def plan(
     """Per-device memory of a config's train step (parameters, gradients, optimizer state, activations,
     buffers), the verdict against --hbm, the communication per step and, on a --device, the step time and
     the run's days."""
-    from moelab.train import memory_plan, run_length
+    from moelab.train import hlo, memory_plan, run_length, traffic
 
     if platform not in ("gpu", "cpu"):
         raise ConfigError(f"--platform={platform!r} is invalid: must be gpu or cpu.")
@@ -64,8 +64,8 @@ def plan(
         run_length.check_mfu(mfu)
     if peak_flops is not None:
         run_length.check_peak_flops(peak_flops)
-    default = chip.links if chip else memory_plan.Links()  # the device's, else a GB200 rack's and 400 Gb/s InfiniBand
-    links = memory_plan.Links(
+    default = chip.links if chip else traffic.Links()  # the device's, else a GB200 rack's and 400 Gb/s InfiniBand
+    links = traffic.Links(
         nvlink=memory_plan.parse_bytes(nvlink.removesuffix("/s"), "--nvlink") if nvlink else default.nvlink,
         network=memory_plan.parse_bytes(network.removesuffix("/s"), "--network") if network else default.network)
     limit = memory_plan.parse_bytes(hbm, "--hbm") if hbm is not None else (chip.hbm if chip else None)
@@ -81,7 +81,7 @@ def plan(
     if timed:
         timing = run_length.estimate(cfg, result, peak_flops or chip.peak_flops, rate, source)
         timing["device"] = chip.name if chip and peak_flops is None else f"{peak_flops:g} FLOP/s (--peak-flops)"
-    compiled = memory_plan.compile_in_subprocess(cfg) if compile_xla else None
+    compiled = hlo.compile_in_subprocess(cfg) if compile_xla else None
     if json_out:
         print(json.dumps({**result.as_json(), **({"xla": compiled} if compiled else {}),
                           **({"time": timing} if timing else {})}))

@@ -19,13 +19,13 @@ The mapping, per layer (moelab's [in, out] matrices become torch's [out, in]):
     w_gate / w_up / w_down [e]    -> mlp.experts.e.gate_proj / up_proj / down_proj
     w_shared_*                    -> mlp.shared_experts.*, zero-padded to n_shared_experts * expert_dim
     dense_layers' w_mlp_gate / up / down -> the first first_k_dense_replace layers' mlp.gate_proj / up_proj /
-                                     down_proj (model.dense_layers, of width intermediate_size = model.dense_dim)
+                                     down_proj (model.dense_layers, of width intermediate_size = model.resolved_dense_ffn_dim)
 
 Settings that make the block moelab's: `n_group` / `topk_group` = `model.moe.num_groups` /
 `groups_per_token` (1 / 1: plain top-k of score + bias; more: `router.within_best_groups`),
 `first_k_dense_replace = model.dense_layers`, `norm_topk_prob = normalize_weights`,
 `routed_scaling_factor = routed_scaling`. Glm4Moe sizes the shared MLP as `n_shared_experts *
-moe_intermediate_size`; moelab stores its Ns shared experts fused as one SwiGLU of width Ns * shared_dim,
+moe_intermediate_size`; moelab stores its Ns shared experts fused as one SwiGLU of width Ns * resolved_shared_expert_dim,
 so that width is padded with hidden units whose gate, up and down weights are all zero: silu(0) * 0 = 0
 adds exactly nothing. The combine weights are the chosen sigmoids divided by their sum (+1e-20 in
 transformers, a floor at the smallest normal float in moelab: the same number unless every chosen
@@ -68,7 +68,7 @@ def glm4_moe_mismatch(cfg: ModelConfig) -> str | None:
 def shared_experts_in_glm4_moe(cfg: ModelConfig) -> int:
     """Glm4Moe's `n_shared_experts`: moelab's fused shared width in whole routed-expert widths, rounded up."""
     m = cfg.moe
-    return -(-m.num_shared_experts * m.shared_dim // m.expert_dim)
+    return -(-m.num_shared_experts * m.resolved_shared_expert_dim // m.expert_dim)
 
 
 def glm4_moe_tensors(params: dict, router_bias: np.ndarray, cfg: ModelConfig, dtype: np.dtype
@@ -89,7 +89,7 @@ def glm4_moe_tensors(params: dict, router_bias: np.ndarray, cfg: ModelConfig, dt
                             q + "down_proj.weight": as_dtype(layers["w_down"][i, e], dtype).T})
         # Zero hidden units add nothing; with no shared experts the tensors have width 0, and still go in the
         # file: transformers builds a width-0 shared MLP and would report its weights missing.
-        pad = shared_width - cfg.moe.num_shared_experts * cfg.moe.shared_dim
+        pad = shared_width - cfg.moe.num_shared_experts * cfg.moe.resolved_shared_expert_dim
         shared = {name: as_dtype(layers[f"w_shared_{name}"][i], dtype) if cfg.moe.num_shared_experts else
                   np.zeros((cfg.d_model, 0) if name != "down" else (0, cfg.d_model), dtype) for name in
                   ("gate", "up", "down")}
@@ -107,13 +107,13 @@ def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
     return {
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.dim_per_head, "hidden_act": "silu",
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "partial_rotary_factor": cfg.rope_fraction, "rope_parameters": rope, "attention_bias": False,
         "use_qk_norm": cfg.qk_norm == "head",
         "attention_dropout": 0.0, "tie_word_embeddings": False,
         "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,
-        "moe_intermediate_size": m.expert_dim, "intermediate_size": cfg.dense_dim,  # the dense layers' width
+        "moe_intermediate_size": m.expert_dim, "intermediate_size": cfg.resolved_dense_ffn_dim,  # the dense layers' width
         "n_shared_experts": shared_experts_in_glm4_moe(cfg), "first_k_dense_replace": cfg.dense_layers,
         "n_group": m.num_groups,
         "topk_group": m.groups_per_token,

@@ -113,7 +113,7 @@ def mixtral_config(cfg: ModelConfig, eos_id: int, dtype: str = "float32") -> dic
     return {
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.moe.expert_dim, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.dim_per_head,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_token,
@@ -192,11 +192,11 @@ def _gpt2_byte_table() -> dict[int, str]:
 def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name: str, files: list[str],
             dtype: str) -> str:
     m = cfg.moe
-    dense = f" (the first {cfg.dense_layers} dense, SwiGLU width {cfg.dense_dim})" if cfg.dense_layers else ""
+    dense = f" (the first {cfg.dense_layers} dense, SwiGLU width {cfg.resolved_dense_ffn_dim})" if cfg.dense_layers else ""
     shape = (f"{cfg.num_layers} layers{dense}, d_model {cfg.d_model}, {cfg.num_heads} heads ({cfg.num_kv_heads} KV, head "
-             f"dim {cfg.dim_per_head}), RoPE theta {cfg.rope_theta:g}, context {cfg.seq_len}, vocab {cfg.vocab_size}; "
+             f"dim {cfg.resolved_head_dim}), RoPE theta {cfg.rope_theta:g}, context {cfg.seq_len}, vocab {cfg.vocab_size}; "
              f"{m.num_experts} routed experts top-{m.num_experts_per_token} of width {m.expert_dim}, {m.router_score} "
-             f"router" + (f", {m.num_shared_experts} shared expert(s) of width {m.shared_dim}" if m.num_shared_experts
+             f"router" + (f", {m.num_shared_experts} shared expert(s) of width {m.resolved_shared_expert_dim}" if m.num_shared_experts
                           else "") + (f", LatentMoE at width {m.latent_dim}" if m.latent_dim is not None else ""))
     if layout in HF_CLASSES:
         use = (f"Loads in Hugging Face `transformers` as `{HF_CLASSES[layout]}`, the same function as moelab's "

@@ -13,16 +13,14 @@ ROOT or not), `series` the one metric series and `final_value` the one observed 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-import yaml
 
-from moelab.config import MoEConfig
+from moelab.config import MoEConfig, from_dict, read_yaml
 from moelab.errors import ConfigError, DataError
 from moelab.lab.ledger import Record
 from moelab.lab.registry import (FINISHED, TRAIN_STEP, Experiment, experiment_status, resolve_run_config,
@@ -58,18 +56,14 @@ DROP_KEYS = ("drop_fraction", "drop_fraction_at_sender", "drop_fraction_at_recei
 
 
 def read_moe_config(out: Path) -> MoEConfig | None:
-    """The run's `model.moe` as its config.yaml holds it; None when the file is absent, unreadable or holds a
-    section MoEConfig refuses (a page then says it has no settings to show)."""
+    """The run's `model.moe` as its config.yaml holds it, read as a config is (`config.read_yaml`, `from_dict`);
+    None when the file is absent, unreadable or holds a section MoEConfig refuses (a page then says it has no
+    settings to show). Only the section is built: a run whose other sections an older moelab wrote still shows it."""
     try:
-        data = yaml.safe_load((out / CONFIG).read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    moe = ((data or {}).get("model") or {}).get("moe") if isinstance(data, dict) else None
-    if not isinstance(moe, dict):
-        return None
-    try:
-        return MoEConfig(**{f.name: moe[f.name] for f in dataclasses.fields(MoEConfig) if f.name in moe})
-    except (ConfigError, TypeError):
+        data = read_yaml(out / CONFIG, "config", "the run directory has no config")
+        moe = ((data or {}).get("model") or {}).get("moe") if isinstance(data, dict) else None
+        return from_dict(moe, MoEConfig) if isinstance(moe, dict) else None
+    except (ConfigError, OSError):
         return None
 
 
@@ -81,7 +75,7 @@ def router_settings(moe: MoEConfig) -> list[tuple[str, str, object]]:
             ("capacity_factor", "capacity factor", moe.capacity_factor if moe.dispatch in ("capacity", "ep")
              else f"none ({moe.dispatch} drops nothing)")]
     if moe.dispatch == "ep":
-        rows += [("transport_capacity_factor", "transport capacity factor (sender pools)", moe.transport_factor),
+        rows += [("transport_capacity_factor", "transport capacity factor (sender pools)", moe.resolved_transport_capacity_factor),
                  ("num_waves", "all-to-all waves", moe.num_waves)]
     rows.append(("balancing", "balancing rule", moe.balancing))
     for knob, value in moe.balancer_settings.items():

@@ -130,7 +130,7 @@ def _same_depth(recipe: LadderRecipe, changes: list[Change]) -> LadderRecipe:
 
 def _keeps_grouping(recipe: LadderRecipe, d_model: int) -> bool:
     model = recipe.target.model
-    group, head_dim = model.num_heads // model.num_kv_heads, model.dim_per_head
+    group, head_dim = model.num_heads // model.num_kv_heads, model.resolved_head_dim
     return d_model % head_dim == 0 and (d_model // head_dim) % group == 0
 
 
@@ -155,7 +155,7 @@ def _keep_grouping(recipe: LadderRecipe, changes: list[Change]) -> LadderRecipe:
         else:
             stuck.append((d, layers))
     group = target.num_heads // target.num_kv_heads
-    rule = (f"a rung's head count (width / head dim {target.dim_per_head}) must divide by the target's {group} query "
+    rule = (f"a rung's head count (width / head dim {target.resolved_head_dim}) must divide by the target's {group} query "
             "heads per KV head, else it groups its attention otherwise and is not the target's recipe")
     if len(shapes) >= 2 or not stuck:
         return _set_shapes(recipe, sorted(shapes), ", ".join(moved + [f"d{d} dropped" for d, _ in stuck]) + f": {rule}",

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
-from moelab.accounting import count_params
+from moelab.accounting import count_params, tokens_per_step
 from moelab.config import RunConfig, dump_yaml
 from moelab.errors import DataError
 from moelab.ladder import NUM_BOOTSTRAP
@@ -64,10 +64,10 @@ def target_rows(cfg: RunConfig) -> list[dict]:
 
     lr = learning_rate(cfg.train)
     params = count_params(cfg.model).active
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    step_tokens = tokens_per_step(cfg)
     evals = sorted({*range(cfg.train.eval_every, cfg.train.steps + 1, cfg.train.eval_every), cfg.train.steps})
     # The loop logs the LR it used for the step that ends at `step`, i.e. schedule(step - 1).
-    return [{"run": cfg.name, "params": params, "step": s, "tokens": s * tokens_per_step, "lr": float(lr(s - 1))}
+    return [{"run": cfg.name, "params": params, "step": s, "tokens": s * step_tokens, "lr": float(lr(s - 1))}
             for s in evals]
 
 

@@ -33,7 +33,7 @@ def with_task_checkpoints(cfg: RunConfig) -> RunConfig:
 
 def checkpoint_compute(cfg: RunConfig, step: int) -> float:
     """Training FLOPs a run of `cfg` has spent at `step` (the task law's x axis)."""
-    return float(accounting.flops_per_token(cfg.model)) * step * cfg.train.batch_size * cfg.model.seq_len
+    return float(accounting.flops_per_token(cfg.model)) * step * accounting.tokens_per_step(cfg)
 
 
 def score_runs(runs: Sequence[tuple[str, RunConfig, Path]], cache: Path,

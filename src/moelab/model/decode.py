@@ -132,7 +132,7 @@ class Sampling:
 
 def init_cache(cfg: ModelConfig, batch: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
     """An empty cache for `batch` sequences of up to `cfg.seq_len` positions."""
-    shape = (cfg.num_layers, batch, cfg.seq_len, cfg.num_kv_heads, cfg.dim_per_head)
+    shape = (cfg.num_layers, batch, cfg.seq_len, cfg.num_kv_heads, cfg.resolved_head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
 
@@ -148,7 +148,7 @@ def _cached_attention(layer: dict[str, jax.Array], x: jax.Array, k_cache: jax.Ar
         [B, T, D] float32 and the caches with the new rows' keys and values written in.
     """
     B, T, _ = x.shape
-    N, K, H, S = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head, cfg.seq_len
+    N, K, H, S = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.seq_len
     x = x.astype(compute_dtype)
     w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
     q, k = transformer.qk_norm(layer, jnp.einsum("btd,dh->bth", x, w["w_q"]), jnp.einsum("btd,dh->bth", x, w["w_k"]),

@@ -37,7 +37,7 @@ from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "EXPERT_MATMUL", "dense", "capacity", "dropless", "grouped", "expert_capacity", "grouped_swiglu",
+__all__ = ["BACKENDS", "EXPERT_MATMUL", "sort_by_group", "combine", "dense", "capacity", "dropless", "grouped", "expert_capacity", "grouped_swiglu",
            "swiglu_buffers", "check_fp8"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
@@ -59,34 +59,41 @@ def _stats(routing: Routing, num_experts: int, dropped: jax.Array) -> Stats:
     }
 
 
-def _combine(rows: jax.Array, routing: Routing) -> jax.Array:
-    """Weighted sum over each token's k expert outputs.
+def combine(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """Weighted sum over each token's k expert outputs: every backend's last step, and `ep`'s.
 
     Args:
         rows: [T * k, Din] expert outputs in assignment order (token-major: row t * k + j).
-        routing: its weights [T, k] are the combine weights.
+        weights: [T, k] the router's combine weights.
 
     Returns:
         [T, Din] in the dtype of `rows`.
     """
-    T, k = routing.expert_idx.shape
+    T, k = weights.shape
     y = rows.reshape(T, k, rows.shape[-1])
-    return jnp.einsum("tkd,tk->td", y, routing.weights.astype(rows.dtype))
+    return jnp.einsum("tkd,tk->td", y, weights.astype(rows.dtype))
 
 
-def _sort_by_expert(expert_idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Orders the T*k assignments by expert, earlier tokens first within an expert.
+def sort_by_group(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Orders assignments by group (an expert, or `ep`'s destination shard), earlier tokens first within a group:
+    the one sort behind every capacity and pool.
+
+    Args:
+        groups: [T, k] or [A] int, each assignment's group (assignment a = t * k + j).
 
     Returns:
-        order: [T*k] int32, assignment ids (t * k + j) sorted by expert; stable, so within an
-            expert the earlier token comes first and is the one kept when capacity runs out.
-        sorted_expert: [T*k] int32, the expert of each sorted assignment.
-        counts: [E] int32, assignments per expert (the size of each sorted group).
+        order: [A] int32, assignment ids sorted by group; stable, so within a group the earlier token comes first
+            and is the one kept when capacity runs out.
+        sorted_group: [A] int32, the group of each sorted assignment.
+        counts: [G] int32, assignments per group (the size of each sorted group).
+        rank: [A] int32, each sorted assignment's position inside its group (rank[i] of assignment order[i]).
     """
-    flat = expert_idx.reshape(-1)
+    flat = groups.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order, flat[order], counts
+    counts = jnp.bincount(flat, length=num_groups).astype(jnp.int32)
+    sorted_group = flat[order].astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts  # [G] first sorted position of each group
+    return order, sorted_group, counts, jnp.arange(flat.size, dtype=jnp.int32) - starts[sorted_group]
 
 
 def _inverse(order: jax.Array) -> jax.Array:
@@ -175,9 +182,7 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
     # would only add empty buffer rows.
     C = min(expert_capacity(T * k, E, capacity_factor), T)
 
-    order, sorted_expert, counts = _sort_by_expert(routing.expert_idx, E)
-    starts = jnp.cumsum(counts) - counts  # [E] first sorted position of each expert
-    rank = jnp.arange(T * k, dtype=jnp.int32) - starts[sorted_expert]  # position inside its expert
+    order, sorted_expert, counts, rank = sort_by_group(routing.expert_idx, E)
     kept = rank < C
     # Buffer slot of each sorted assignment; dropped ones go to slot E * C, past the buffers.
     slot = jnp.where(kept, sorted_expert * C + rank, E * C)
@@ -190,7 +195,7 @@ def capacity(h: jax.Array, routing: Routing, experts: Experts, capacity_factor: 
     y = swiglu_buffers(buf, experts, fp8)  # [E, C, Din]
     rows = take_rows(y.reshape(E * C, -1), assignment_slot, slot_assignment)  # [T * k, Din]
     dropped = jnp.sum(jnp.maximum(counts - C, 0))
-    return _combine(rows, routing), _stats(routing, E, dropped)
+    return combine(rows, routing.weights), _stats(routing, E, dropped)
 
 
 def dropless(h: jax.Array, routing: Routing, experts: Experts, fp8: bool = False) -> tuple[jax.Array, Stats]:
@@ -206,7 +211,7 @@ def dropless(h: jax.Array, routing: Routing, experts: Experts, fp8: bool = False
     """
     T, k = routing.expert_idx.shape
     E = experts["w_gate"].shape[0]
-    order, _, counts = _sort_by_expert(routing.expert_idx, E)
+    order, _, counts, _ = sort_by_group(routing.expert_idx, E)
     h, experts = _rounded(h, experts, fp8)
     position = _inverse(order)  # [T * k] sorted position of each assignment
     x = take_rows(h, order // k, position)  # [T * k, Din], grouped by expert in the order of `counts`
@@ -214,19 +219,20 @@ def dropless(h: jax.Array, routing: Routing, experts: Experts, fp8: bool = False
     up = jax.lax.ragged_dot(x, experts["w_up"], counts)
     y = jax.lax.ragged_dot(fp8_lib.expert_hidden(gate, up, fp8), experts["w_down"], counts)  # [T * k, Din]
     y = _expert_output(y, fp8)
-    return _combine(take_rows(y, position, order), routing), _stats(routing, E, 0.0)
+    return combine(take_rows(y, position, order), routing.weights), _stats(routing, E, 0.0)
 
 
 def grouped_swiglu(rows: jax.Array, experts: Experts, block_expert: jax.Array, group_offsets: jax.Array,
                    tiles: dict[str, int] | None = None, gather: tuple[jax.Array, jax.Array] | None = None,
-                   fp8: bool = False) -> jax.Array:
+                   fp8: bool = False, on_gpu: bool | None = None) -> jax.Array:
     """Block-padded rows [M, Din] through their block's expert SwiGLU with the Pallas `gmm` -> [M, Din].
 
     With `gather` (`gmm`'s argument), `rows` are the source rows and the gate and up matmuls read the
     block layout through it. `tiles` (all three matmuls) or, if None, `default_tiles` per matmul; the
-    layout's block_m must match. Outputs are named `EXPERT_MATMUL` for the remat policy.
+    layout's block_m must match; `on_gpu` picks the default tiles of a GPU or a CPU (None: this machine's).
+    Outputs are named `EXPERT_MATMUL` for the remat policy.
     """
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
 
     def gmm(x, w, gather=None):
         one = w[0] if isinstance(w, tuple) else w
@@ -248,7 +254,7 @@ def _padded_rows(expert_idx: jax.Array, num_experts: int, block_m: int
         row_assignment: [M] int32, the assignment in each padded row; T*k for padding.
         block_expert, group_offsets: the layout, for `gmm`.
     """
-    order, _, counts = _sort_by_expert(expert_idx, num_experts)
+    order, _, counts, _ = sort_by_group(expert_idx, num_experts)
     A = expert_idx.size
     row_of_sorted, block_expert, group_offsets, M = grouped_matmul.padded_layout(counts, A, block_m)
     assignment_row = jnp.zeros((A,), jnp.int32).at[order].set(row_of_sorted)
@@ -257,7 +263,7 @@ def _padded_rows(expert_idx: jax.Array, num_experts: int, block_m: int
 
 
 def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, int] | None = None,
-            fp8: bool = False) -> tuple[jax.Array, Stats]:
+            fp8: bool = False, on_gpu: bool | None = None) -> tuple[jax.Array, Stats]:
     """Dropless dispatch through the Pallas grouped GEMM over block-padded expert groups.
 
     The gate and up kernels read each row from `h` through the layout's index (`gmm`'s `gather`), so
@@ -271,13 +277,16 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
         experts: `w_gate` [E, Din, F], `w_up` [E, Din, F], `w_down` [E, F, Din].
         tiles: `gmm` keyword arguments (block_m/n/k, num_warps, num_stages) for all three matmuls;
             None: `grouped_matmul.default_tiles` per matmul. The layer benchmark tries several on the GPU.
+        on_gpu: the default tiles a GPU's (True) or a CPU's (False); None: this machine's. The memory planner
+            traces a GPU's step on a CPU.
 
     Returns:
         out [T, Din] and stats (`dropped` = 0).
     """
     k = routing.expert_idx.shape[1]
     E, Din, F = experts["w_gate"].shape
-    block_m = (tiles or grouped_matmul.default_tiles(Din, F, jax.default_backend() == "gpu"))["block_m"]
+    on_gpu = jax.default_backend() == "gpu" if on_gpu is None else on_gpu
+    block_m = (tiles or grouped_matmul.default_tiles(Din, F, on_gpu))["block_m"]
     assignment_row, row_assignment, block_expert, group_offsets = _padded_rows(routing.expert_idx, E, block_m)
     h, experts = _rounded(h, experts, fp8)
     M = row_assignment.shape[0]
@@ -285,8 +294,8 @@ def grouped(h: jax.Array, routing: Routing, experts: Experts, tiles: dict[str, i
     source = jnp.concatenate([h, jnp.zeros((1, Din), h.dtype)])
     readers = jnp.concatenate([assignment_row, jnp.full((k,), M, jnp.int32)])
     y = grouped_swiglu(source, experts, block_expert, group_offsets, tiles, gather=(row_assignment // k, readers),
-                       fp8=fp8)
-    return _combine(take_rows(y, assignment_row, row_assignment), routing), _stats(routing, E, 0.0)
+                       fp8=fp8, on_gpu=on_gpu)
+    return combine(take_rows(y, assignment_row, row_assignment), routing.weights), _stats(routing, E, 0.0)
 
 
 def check_fp8(fp8: bool) -> None:

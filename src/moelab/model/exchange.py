@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moelab.model.dispatch import expert_capacity, swiglu_buffers
+from moelab.model.dispatch import combine, expert_capacity, sort_by_group, swiglu_buffers
 from moelab.model.rows import take_rows
 
 __all__ = ["exchange", "pool_size", "receiver_capacity", "receiver_slots"]
@@ -98,12 +98,9 @@ def _pack(expert_idx: jax.Array, experts_per_shard: int, num_shards: int, num_wa
     flat = expert_idx.reshape(-1)
     A = flat.size
     dest = flat // El
-    # Rank of each assignment among those for the same destination, in token order: a stable sort
-    # by destination, then the position inside its group.
-    order = jnp.argsort(dest, stable=True)
-    counts = jnp.bincount(dest, length=X)
-    starts = jnp.cumsum(counts) - counts
-    rank = jnp.zeros((A,), jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32) - starts[dest[order]])
+    # Rank of each assignment among those for the same destination, in token order.
+    order, _, _, sorted_rank = sort_by_group(dest, X)
+    rank = jnp.zeros((A,), jnp.int32).at[order].set(sorted_rank)
     # Striping ranks over waves keeps every wave's pools equally full, whatever the skew.
     wave, row = rank % W, rank // W
     pos = jnp.where(row < Pl, (wave * X + dest) * Pl + row, W * X * Pl)
@@ -187,8 +184,7 @@ def exchange(
         dropped_at_receiver += jnp.sum((wave_ids < El) & ~in_buffer)  # arrived (a real id), found no slot
 
     back = jnp.stack(returned).reshape(W * X * pool, Din)
-    y = take_rows(back, pos, source).reshape(T, k, Din)  # dropped-at-sender assignments (pos W X P) read zero
-    out = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+    out = combine(take_rows(back, pos, source), weights)  # dropped-at-sender assignments (pos W X P) read zero
     counts = {
         "dropped_at_sender": jnp.sum(pos == W * X * pool),
         "dropped_at_receiver": dropped_at_receiver,

@@ -5,7 +5,7 @@
 The router always reads the full-width x (architecture §3). Under LatentMoE (`cfg.moe.latent_dim` set)
 only the routed path runs at the latent width: rows are projected down and RMS-normalized before
 dispatch, and the combined output is projected back up. Shared experts are dense SwiGLU MLPs on every
-token; the N of them are stored fused as one SwiGLU of width N * shared_dim, which is the same
+token; the N of them are stored fused as one SwiGLU of width N * resolved_shared_expert_dim, which is the same
 function with the same parameter count (the hidden units of the N MLPs are simply concatenated).
 The routed experts run as one frozen `Dispatch` says, built once for its purpose by `build_moe`: the
 backend and its capacity (training drops what overflows; decoding drops nothing), FP8, and, under a mesh,
@@ -17,6 +17,7 @@ per-expert histogram and the load counts. Nothing of shape [tokens, experts] lea
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -51,10 +52,11 @@ class Dispatch:
     backend: str  # dense | capacity | dropless | grouped (`moelab.model.dispatch`) | ep (`moelab.model.exchange`)
     purpose: str = "train"  # one of PURPOSES
     capacity_factor: float | None = None  # capacity / ep: rows per expert, x the fair share; None: room for every row
-    transport_factor: float | None = None  # ep: rows per sender pool, x the fair share; None: capacity_factor
+    transport_capacity_factor: float | None = None  # ep: rows per sender pool, x the fair share; None: capacity_factor
     num_waves: int = 1  # ep: static waves of the all-to-all
     fp8: bool = False  # the expert GEMMs in FP8 (`model.fp8`)
     token_axes: tuple[str, ...] = ()  # the mesh axes this device's tokens are a slice of; () on one device
+    tiled_for_gpu: bool | None = None  # grouped: the GEMM's tiles a GPU's (True) or a CPU's; None: this machine's
 
     def __post_init__(self) -> None:
         if self.backend not in (*backends.BACKENDS, "ep"):
@@ -80,7 +82,8 @@ class Dispatch:
             out, stats = backends.capacity(h, routing, experts, factor, fp8=self.fp8)
         else:
             out, stats = {"dense": backends.dense, "dropless": backends.dropless,
-                          "grouped": backends.grouped}[self.backend](h, routing, experts, fp8=self.fp8)
+                          "grouped": functools.partial(backends.grouped, on_gpu=self.tiled_for_gpu),
+                          }[self.backend](h, routing, experts, fp8=self.fp8)
         if self.token_axes:  # every stat is a count: the step's is the sum over the devices
             stats = {name: jax.lax.psum(value, self.token_axes) for name, value in stats.items()}
         return out, stats
@@ -90,8 +93,8 @@ class Dispatch:
         T, k = routing.expert_idx.shape
         El, X = experts["w_gate"].shape[0], jax.lax.axis_size("expert")
         cf = self.capacity_factor
-        pool = exchange.pool_size(T, k, X, El, self.num_waves, cf if self.transport_factor is None
-                                  else self.transport_factor)
+        pool = exchange.pool_size(T, k, X, El, self.num_waves, cf if self.transport_capacity_factor is None
+                                  else self.transport_capacity_factor)
         capacity = exchange.receiver_capacity(T, k, El * X, X, self.num_waves, pool, cf)
         out, counts = exchange.exchange(h, routing.expert_idx, routing.weights, experts, num_waves=self.num_waves,
                                         pool=pool, capacity=capacity, fp8=self.fp8)
@@ -142,7 +145,7 @@ def _training(cfg: ModelConfig, purpose: str, token_axes: tuple[str, ...] = ()) 
     m = cfg.moe
     ep = m.dispatch == "ep"
     return Dispatch(m.dispatch, purpose, m.capacity_factor if m.dispatch in ("capacity", "ep") else None,
-                    m.transport_factor if ep else None, m.num_waves if ep else 1, cfg.fp8, token_axes)
+                    m.resolved_transport_capacity_factor if ep else None, m.num_waves if ep else 1, cfg.fp8, token_axes)
 
 
 def drops_by_purpose(cfg: ModelConfig) -> dict[str, str]:
@@ -181,7 +184,7 @@ def init(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
         params["latent_norm"] = jnp.ones((m.latent_dim,), jnp.float32)
         params["w_latent_up"] = normal((m.latent_dim, D), out_std)
     if m.num_shared_experts > 0:
-        Fs = m.num_shared_experts * m.shared_dim
+        Fs = m.num_shared_experts * m.resolved_shared_expert_dim
         params["w_shared_gate"] = normal((D, Fs))
         params["w_shared_up"] = normal((D, Fs))
         params["w_shared_down"] = normal((Fs, D), out_std)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from moelab.config import MoEConfig
 
 __all__ = [
+    "drop_fraction",
     "Routing",
     "route",
     "expert_load",
@@ -178,6 +179,12 @@ def update_load_ema(load_ema: jax.Array, load: jax.Array, decay: float = LOAD_EM
     return decay * load_ema + (1.0 - decay) * load.astype(jnp.float32)
 
 
+def drop_fraction(dropped: jax.Array, assignments: jax.Array) -> jax.Array:
+    """The share of assignments dropped (per layer, or over layers when both are summed first): the one formula
+    behind `drop_fraction`, its `ep` stages and `router/drop_fraction_by_layer`."""
+    return dropped / jnp.maximum(assignments, 1.0)
+
+
 def router_metrics(aux: dict[str, jax.Array], bias: jax.Array, load_ema: jax.Array) -> dict[str, jax.Array]:
     """The router's statistics for the metrics stream: per-layer arrays and scalar summaries.
 
@@ -199,7 +206,7 @@ def router_metrics(aux: dict[str, jax.Array], bias: jax.Array, load_ema: jax.Arr
         "maxvio": max_violation(aux["expert_load"]),
         "maxvio_global": max_violation(load_ema),
         "entropy": aux["router_entropy"],
-        "drop_fraction": aux["dropped"] / jnp.maximum(aux["assignments"], 1.0),
+        "drop_fraction": drop_fraction(aux["dropped"], aux["assignments"]),
         "bias_min": jnp.min(bias, axis=-1),
         "bias_max": jnp.max(bias, axis=-1),
         "bias_norm": jnp.sqrt(jnp.sum(jnp.square(bias), axis=-1)),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model import fp8 as fp8_lib
-from moelab.model import moe
+from moelab.model import moe, router
 from moelab.model.dispatch import EXPERT_MATMUL
 from moelab.model.moe import Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
@@ -47,8 +47,8 @@ Gather = Callable[[dict], dict]
 
 
 def _init_dense_mlp(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
-    """A dense block's SwiGLU: `w_mlp_gate`, `w_mlp_up` [D, F], `w_mlp_down` [F, D] with F = `cfg.dense_dim`."""
-    D, F = cfg.d_model, cfg.dense_dim
+    """A dense block's SwiGLU: `w_mlp_gate`, `w_mlp_up` [D, F], `w_mlp_down` [F, D] with F = `cfg.resolved_dense_ffn_dim`."""
+    D, F = cfg.d_model, cfg.resolved_dense_ffn_dim
     k_gate, k_up, k_down = jax.random.split(key, 3)
     return {"w_mlp_gate": INIT_STD * jax.random.normal(k_gate, (D, F), jnp.float32),
             "w_mlp_up": INIT_STD * jax.random.normal(k_up, (D, F), jnp.float32),
@@ -57,7 +57,7 @@ def _init_dense_mlp(cfg: ModelConfig, key: jax.Array) -> dict[str, jax.Array]:
 
 def _init_layer(cfg: ModelConfig, key: jax.Array, init_mlp: Callable = moe.init) -> dict[str, jax.Array]:
     """One block's parameters (attention + `init_mlp`'s: the MoE block, or a dense block's SwiGLU), before stacking."""
-    D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    D, N, K, H = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     k_q, k_k, k_v, k_o, k_mlp = jax.random.split(key, 5)
     out_std = residual_init_std(cfg.num_layers)
     qk_norms = {}
@@ -179,7 +179,7 @@ def qk_norm(layer: dict[str, jax.Array], q: jax.Array, k: jax.Array, cfg: ModelC
     over each head's H dimensions with one [H] gain ("head"), or over the whole projection ("full")."""
     if cfg.qk_norm is None:
         return q, k
-    H = cfg.dim_per_head
+    H = cfg.resolved_head_dim
 
     def norm(x, gain):
         shaped = x.reshape(*x.shape[:-1], -1, H) if cfg.qk_norm == "head" else x
@@ -188,20 +188,23 @@ def qk_norm(layer: dict[str, jax.Array], q: jax.Array, k: jax.Array, cfg: ModelC
     return norm(q, layer["q_norm"]), norm(k, layer["k_norm"])
 
 
-def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype) -> jax.Array:
+def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype,
+              attend: Callable = causal_attention) -> jax.Array:
     """Causal grouped-query self-attention with RoPE.
 
     Args:
         layer: one block's `w_q` [D, N*H], `w_k` [D, K*H], `w_v` [D, K*H], `w_o` [N*H, D].
         x: [B, S, D] normalized input.
-        cfg: model shape (`num_heads` N, `num_kv_heads` K, `dim_per_head` H, `rope_theta`).
+        cfg: model shape (`num_heads` N, `num_kv_heads` K, `resolved_head_dim` H, `rope_theta`).
         compute_dtype: dtype of the matmuls' inputs.
+        attend: `causal_attention`, or a stand-in with its signature (the memory planner traces cuDNN's
+            residuals off a GPU).
 
     Returns:
         [B, S, D] float32.
     """
     B, S, _ = x.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     x = x.astype(compute_dtype)
     w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
     q = fp8_lib.project("bsd,dh->bsh", x, w["w_q"], cfg.fp8)
@@ -212,7 +215,7 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     q, k = apply_rope(q, cfg.rope_theta, fraction=cfg.rope_fraction), apply_rope(k, cfg.rope_theta, fraction=cfg.rope_fraction)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
     # grouping itself, so K and V are never repeated in memory.
-    o = causal_attention(q, k, v)
+    o = attend(q, k, v)
     return fp8_lib.project("bsh,hd->bsd", o.reshape(B, S, N * H), w["w_o"], cfg.fp8).astype(jnp.float32)
 
 
@@ -230,6 +233,7 @@ def _block(
     cfg: ModelConfig,
     compute_dtype: jnp.dtype,
     gather: Gather | None,
+    attend: Callable,
     mlp: Callable,
     x: jax.Array,
     layer_and_bias: tuple[dict[str, jax.Array], jax.Array | None],
@@ -242,7 +246,7 @@ def _block(
     if gather is not None:
         layer = gather(layer)
     B, S, D = x.shape
-    x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype)
+    x = x + attention(layer, rms_norm(x, layer["attn_norm"], cfg.norm_eps), cfg, compute_dtype, attend)
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps).reshape(B * S, D)  # the MLP sees a flat [T, D]
     y, stats = mlp(layer, h, bias)
     return x + y.reshape(B, S, D), stats
@@ -315,6 +319,7 @@ def apply(
     dispatch: Dispatch,
     gather: Gather | None = None,
     rebalance: bool | jax.Array = False,
+    attend: Callable = causal_attention,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token logits.
 
@@ -331,6 +336,7 @@ def apply(
             that keep the non-expert params whole.
         rebalance: [] bool: every MoE layer routes under the bias solved on this batch (`moe.apply`);
             the train step sets it for the first `cfg.moe.rebalance_steps` steps.
+        attend: the causal attention (`attention`'s).
 
     Returns:
         logits [B, S, V] float32 and aux, over the L MoE blocks: `expert_load` [L, E], `dropped` [L], `assignments` [L],
@@ -342,9 +348,9 @@ def apply(
     x = params["embed"][tokens]  # [B, S, D] float32 residual stream
     dense, routed = mlps(cfg, compute_dtype, dispatch, rebalance)
     if "dense_layers" in params:
-        dense_block = _remat(functools.partial(_block, cfg, compute_dtype, gather, dense), cfg.remat)
+        dense_block = _remat(functools.partial(_block, cfg, compute_dtype, gather, attend, dense), cfg.remat)
         x, _ = jax.lax.scan(dense_block, x, (params["dense_layers"], None))
-    block = _remat(functools.partial(_block, cfg, compute_dtype, gather, routed), cfg.remat)
+    block = _remat(functools.partial(_block, cfg, compute_dtype, gather, attend, routed), cfg.remat)
     x, stats = jax.lax.scan(block, x, (params["layers"], router_bias))  # stats: leading L axis
     x = rms_norm(x, params["final_norm"], cfg.norm_eps).astype(compute_dtype)
     logits = lm_head(x, params["lm_head"].astype(compute_dtype))
@@ -352,7 +358,7 @@ def apply(
         "expert_load": stats["load"],
         "dropped": stats["dropped"],
         "assignments": stats["assignments"],
-        "drop_fraction": jnp.sum(stats["dropped"]) / jnp.sum(stats["assignments"]),
+        "drop_fraction": router.drop_fraction(jnp.sum(stats["dropped"]), jnp.sum(stats["assignments"])),
         "router_entropy": stats["entropy"],
         # The balancing rule's loss term (`aux` rule), summed over layers; 0 for the bias rules.
         "balance_loss": jnp.sum(stats["balance_loss"]) if "balance_loss" in stats else jnp.zeros((), jnp.float32),
@@ -361,7 +367,8 @@ def apply(
         aux["bias_target"] = stats["bias_target"]
     if "dropped_at_sender" in stats:  # `ep`: where the drops happen says which capacity factor to raise
         for stage in ("sender", "receiver"):
-            aux[f"drop_fraction_at_{stage}"] = jnp.sum(stats[f"dropped_at_{stage}"]) / jnp.sum(stats["assignments"])
+            aux[f"drop_fraction_at_{stage}"] = router.drop_fraction(jnp.sum(stats[f"dropped_at_{stage}"]),
+                                                                     jnp.sum(stats["assignments"]))
     return logits, aux
 
 
@@ -375,6 +382,7 @@ def loss(
     dispatch: Dispatch,
     gather: Gather | None = None,
     rebalance: bool | jax.Array = False,
+    attend: Callable = causal_attention,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross-entropy plus the optional z-loss and the balancing loss.
 
@@ -386,7 +394,7 @@ def loss(
     Args:
         params: from `init`.
         tokens: [B, S+1] int32; positions 0..S-1 are inputs, 1..S the targets.
-        cfg, router_bias, compute_dtype, dispatch, gather, rebalance: as in `apply`.
+        cfg, router_bias, compute_dtype, dispatch, gather, rebalance, attend: as in `apply`.
 
     Returns:
         The scalar loss and aux: `ce` [], `z_loss` [], `ce_per_row` [B] (mean CE of each sequence),
@@ -394,7 +402,7 @@ def loss(
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits, aux = apply(params, inputs, cfg, router_bias, compute_dtype, dispatch=dispatch, gather=gather,
-                        rebalance=rebalance)
+                        rebalance=rebalance, attend=attend)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, S]
     ce_tok = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, S]
     ce = jnp.mean(ce_tok)

@@ -158,7 +158,7 @@ def per_device_value_and_grad(loss_fn: Callable, mesh: Mesh, specs: Any, microba
             under a `Dispatch` with `token_axes`); its loss is that device's mean.
         specs: the params' `PartitionSpec`s; the gradients come out laid out the same.
         accumulate: `(loss_fn, params, rows, microbatches) -> ((loss, aux), grads)`, the microbatch loop
-            (`moelab.train.loop.accumulate_gradients`), run on this device's rows.
+            (`moelab.train.step.accumulate_gradients`), run on this device's rows.
         across_dtype: the dtype the gradient crosses racks in (`reduce_gradients`).
 
     Returns:

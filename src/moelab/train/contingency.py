@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from moelab import accounting
 from moelab.config import RunConfig, TrainConfig
 from moelab.errors import ConfigError
 from moelab.data.mixture import phase_boundaries
@@ -195,7 +196,7 @@ def replan(cfg: RunConfig, event: Event) -> Replan:
         )
     # Exact rationals: the new step count is a floor, and float noise in e.g. (deadline - t) x tps / tokens
     # turns an exact 9000 into 8999.999 and loses a whole step.
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    tokens_per_step = accounting.tokens_per_step(cfg)
     step_seconds = tokens_per_step / Fraction(plan.tokens_per_s)
     deadline = Fraction(plan.deadline_hours) * 3600 if plan.deadline_hours is not None else steps * step_seconds
     event_seconds = event.step * step_seconds
@@ -334,7 +335,7 @@ def _explain(
 def comparison_rows(result: Replan) -> list[tuple[str, str, str]]:
     """(field, old, new) rows for a side-by-side table of the two plans, as text."""
     old, new = result.old, result.new
-    tokens_per_step = old.train.batch_size * old.model.seq_len
+    tokens_per_step = accounting.tokens_per_step(old)
     rows = [
         ("train.steps", f"{old.train.steps:,}", f"{new.train.steps:,}"),
         ("token budget", f"{result.budget_tokens_old:,}", f"{result.budget_tokens_new:,}"),

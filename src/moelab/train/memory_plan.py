@@ -6,9 +6,8 @@
 Counted before launch, nothing allocated. The state terms are exact: every leaf of `init_state`'s
 abstract tree, divided by the devices `parallel.mesh.leaf_spec` splits it over. The activations are
 what JAX itself saves for the backward pass of `transformer.loss` on one device's microbatch, under the
-config's remat policy (`saved_residuals` of the traced program: the same residuals the compiled step
-keeps), with attention traced as the target compiles it (`_traced_as_on`), plus the backward's working
-set (`activation_bytes`). The peak is the state plus the largest of three phases (`plan`): the head's
+config's remat policy (`moelab.train.residuals`: the same residuals the compiled step keeps), with attention
+and the grouped GEMM traced as the target compiles them, plus the backward's working set (`activation_bytes`). The peak is the state plus the largest of three phases (`plan`): the head's
 backward, the blocks' backward and the update.
 
 Approximations, each named in `docs/scaling-out.md`: `ep`'s buffers are counted as the `capacity`
@@ -16,43 +15,33 @@ backend's for the device's tokens (the same rows: capacity factor x tokens x k);
 copies are not modelled. `benchmarks/plan_vs_xla.py` compares the total with XLA's compiled memory
 analysis on simulated CPU meshes; `tests/test_memory_plan.py` pins the H200's measured peaks.
 
-Why one module of ~600 lines: the plan and the compiler's figures it is checked against (`compile_step`,
-`collective_bytes`) must count in the same terms, and keeping them together is what keeps them so.
-
-Communication is what one device sends per step in the collectives XLA's partitioner emits
-(`communication` lists them), timed at the stated link bandwidths (inside a rack over NVLink, between
-racks over the network); `moelab.train.run_length` adds it to the compute, with and without overlap.
+Communication is what one device sends per step (`moelab.train.traffic`), timed at the stated link bandwidths
+(inside a rack over NVLink, between racks over the network); `moelab.train.run_length` adds it to the compute,
+with and without overlap. The compiler's own figures, which `--compile-xla` and the benchmarks compare with these,
+are `moelab.train.hlo`'s.
 """
+
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
 import math
-import os
-import re
-import subprocess
-import sys
-import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from moelab.config import RunConfig, from_dict, override, to_dict
+from moelab.config import RunConfig, override
 from moelab.errors import ConfigError
-from moelab.model import grouped_matmul, transformer
+from moelab.model import transformer
 from moelab.model.moe import build_moe
-from moelab.model import exchange
 from moelab.parallel import mesh as mesh_lib
+from moelab.train import residuals as residuals_lib
 from moelab.train.state import init_state
+from moelab.train.traffic import Links, devices_split_over, communication, nbytes, param_bytes, rows_per_microbatch
 
-__all__ = ["Links", "Plan", "plan", "parse_bytes", "state_bytes", "activation_bytes", "communication", "collective_bytes",
-           "compile_step", "compiled_figures", "compile_in_subprocess"]
+__all__ = ["GB", "XLA_GPU_SLOP", "XLA_MEM_FRACTION", "Plan", "parse_bytes", "state_bytes", "Activations",
+           "activation_bytes", "advise", "plan"]
 
 GB = 1e9
 # XLA's GPU compiler budgets a program's temporaries at (the memory JAX gives it - the arguments and outputs)
@@ -61,18 +50,6 @@ GB = 1e9
 # as the issue of 12-06 measured it; `mem_fraction` takes another).
 XLA_GPU_SLOP = 0.95
 XLA_MEM_FRACTION = 0.75
-
-
-@dataclass(frozen=True)
-class Links:
-    """Per-device link bandwidths, bytes/s one way: NVLink inside a rack, the network between racks.
-
-    Defaults: a GB200 NVL72 rack (NVLink 5, 1.8 TB/s both ways) and 400 Gb/s InfiniBand per GPU.
-    """
-
-    nvlink: float = 900e9
-    network: float = 50e9
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -129,6 +106,7 @@ class Plan:
                 "links": {"nvlink": self.links.nvlink, "network": self.links.network}}
 
 
+
 def parse_bytes(text: str, name: str) -> int:
     """'186GB', '141 GiB', '8e10B' -> bytes; a ConfigError naming `name` otherwise. A bare number is refused: `--hbm
     80` meant 80 GB, and read as 80 bytes it made every plan "not fit"."""
@@ -152,115 +130,17 @@ def parse_bytes(text: str, name: str) -> int:
     return int(value * units[unit])
 
 
-def _nbytes(leaf: Any) -> int:
-    return int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
-
-
-def _split(spec: Any, axes: dict[str, int]) -> int:
-    """How many devices one leaf is split over under a PartitionSpec."""
-    n = 1
-    for entry in spec:
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
-            n *= axes[axis] if axis else 1
-    return n
-
 
 def state_bytes(cfg: RunConfig) -> dict[str, int]:
     """Per-device bytes of the parameters, Adam's moments and the rest of the train state under `cfg.mesh`."""
     axes = {"replica": cfg.mesh.replica, "expert": cfg.mesh.expert}
     state = jax.eval_shape(lambda: init_state(cfg))
     per_device = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _nbytes(leaf) // _split(mesh_lib.leaf_spec(path, leaf, axes, cfg.mesh.shard), axes), state)
+        lambda path, leaf: nbytes(leaf) // devices_split_over(mesh_lib.leaf_spec(path, leaf, axes, cfg.mesh.shard), axes), state)
     total = lambda tree: int(sum(jax.tree.leaves(tree)))  # noqa: E731
     return {"params": total(per_device.params), "moments": total(per_device.opt_state),
             "other_state": total((per_device.router_bias, per_device.step, per_device.router_load)),
             "largest_param": max(jax.tree.leaves(per_device.params))}
-
-
-@jax.custom_vjp
-def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """A stand-in for cuDNN's fused attention with its residuals, traced only (never run): the output, [B, S, N, H].
-
-    `jax.nn.dot_product_attention(implementation="cudnn")` keeps q, k, v, its output and the softmax
-    statistics ([B, N, S] float32) for the backward pass, and no [S, S] scores. It cannot be traced off a
-    GPU, so the planner traces this instead, and XLA's attention (whose scores it would count) nowhere.
-    """
-    return q * 1
-
-
-def _fused_attention_forward(q, k, v):
-    B, S, N, _ = q.shape
-    out = q * 1
-    return out, (q, k, v, out, jnp.zeros((B, N, S), jnp.float32))
-
-
-def _fused_attention_backward(saved, g):
-    q, k, v, _, _ = saved
-    return g, jnp.zeros_like(k), jnp.zeros_like(v)
-
-
-_fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward)
-
-
-@contextlib.contextmanager
-def _traced_as_on(platform: str):
-    """Trace the model as `platform` compiles it, whatever JAX's backend here: on "gpu", attention fused
-    (`_fused_attention`) and the `grouped` backend's row tile the GPU's; on "cpu", as is."""
-    if platform == "cpu":
-        yield
-        return
-    xla_attention, tiles = transformer.causal_attention, grouped_matmul.default_tiles
-    transformer.causal_attention = _fused_attention
-    grouped_matmul.default_tiles = lambda k_dim, n_dim, on_gpu: tiles(k_dim, n_dim, True)
-    try:
-        yield
-    finally:
-        transformer.causal_attention, grouped_matmul.default_tiles = xla_attention, tiles
-
-
-@dataclass(frozen=True)
-class Residuals:
-    """What JAX saves between a function's forward and backward passes (its residuals), in bytes.
-
-    in_loop: residuals of the layer scan (each layer's, stacked); largest_per_layer: the largest of one
-    layer; logits_sized: those shaped like the logits (the loss's softmax), freed once the head's backward
-    has run; other: the rest (the head's small residuals, the scan's hoisted loop invariants).
-    """
-
-    in_loop: int
-    largest_per_layer: int
-    logits_sized: int
-    other: int
-
-    @property
-    def total(self) -> int:
-        return self.in_loop + self.logits_sized + self.other
-
-
-def _residuals(fn, params: Any, *args, vocab_size: int, experts_split: int = 1) -> Residuals:
-    """The residuals of `fn(params, *args)` (`saved_residuals`: what the compiled step keeps alive).
-
-    Arguments are not counted (they are the state). A residual shaped like a routed expert's weight (a
-    compute-dtype copy of it) is divided by `experts_split`, the devices the experts are split over.
-    """
-    from jax._src.ad_checkpoint import saved_residuals  # the list jax.ad_checkpoint.print_saved_residuals prints
-
-    expert_shapes = {tuple(leaf.shape[-3:]) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-                     if mesh_lib.param_spec(path, leaf) != mesh_lib.P()}
-    in_loop = largest = logits_sized = other = 0
-    for aval, why in saved_residuals(fn, params, *args):
-        if why.startswith("from the argument"):
-            continue
-        expert_copy = aval.ndim >= 3 and tuple(aval.shape[-3:]) in expert_shapes
-        size = _nbytes(aval) // (experts_split if expert_copy else 1)
-        if why.startswith("output of scan"):
-            in_loop += size
-            largest = max(largest, size // aval.shape[0])  # stacked over the scan's layers
-        elif aval.ndim >= 2 and aval.shape[-1] == vocab_size:
-            logits_sized += size
-        else:
-            other += size
-    return Residuals(in_loop, largest, logits_sized, other)
 
 
 @dataclass(frozen=True)
@@ -289,19 +169,23 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
         model = replace(model, moe=replace(model.moe, dispatch="capacity"))
     dtype = jnp.dtype(cfg.train.compute_dtype)
 
-    def residuals(m, token_cols: int, fn) -> Residuals:
+    on_gpu = platform == "gpu"
+    attend = residuals_lib.fused_attention if on_gpu else transformer.causal_attention
+
+    def residuals(m, token_cols: int, fn) -> residuals_lib.Residuals:
         params = jax.eval_shape(lambda: transformer.init(m, jax.random.key(0)))
         bias = jax.ShapeDtypeStruct((m.num_moe_layers, m.moe.num_experts), jnp.float32)
         tokens = jax.ShapeDtypeStruct((rows, token_cols), jnp.int32)
-        with _traced_as_on(platform):
-            return _residuals(lambda p, t, b: fn(p, t, m, b), params, tokens, bias, vocab_size=m.vocab_size,
-                              experts_split=cfg.mesh.expert)
+        dispatch = replace(build_moe(m), tiled_for_gpu=on_gpu)  # the grouped GEMM's tiles as `platform` picks them
+        return residuals_lib.of(lambda p, t, b: fn(p, t, m, b, dispatch), params, tokens, bias,
+                                vocab_size=m.vocab_size, experts_split=cfg.mesh.expert)
 
-    def block(p, t, m, b):
-        return transformer.apply(p, t, m, b, dtype, dispatch=build_moe(m))[0].sum()
+    def block(p, t, m, b, dispatch):
+        return transformer.apply(p, t, m, b, dtype, dispatch=dispatch, attend=attend)[0].sum()
 
     saved = residuals(model, model.seq_len + 1,
-                      lambda p, t, m, b: transformer.loss(p, t, m, b, dtype, dispatch=build_moe(m))[0])
+                      lambda p, t, m, b, dispatch: transformer.loss(p, t, m, b, dtype, dispatch=dispatch,
+                                                                    attend=attend)[0])
     one = replace(model, num_layers=1, dense_layers=0, remat="none")
     recomputed = 0
     if model.remat != "none":
@@ -312,138 +196,6 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
                        logits_grad=logits * 4,
                        block_work=recomputed + 2 * saved.largest_per_layer)
 
-
-def _rows_per_microbatch(cfg: RunConfig) -> int:
-    """Sequences one device runs at once."""
-    return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
-
-
-class ParamBytes(NamedTuple):
-    """A model's parameter bytes (float32, whole) by how the per-device step moves them under `mesh.shard`."""
-
-    layer_split: int  # one MoE block's non-expert parameters split over the rack (gathered where they are read)
-    layer_read: int  # ... as gathered: the matrices in the compute dtype (`transformer.READ_IN_COMPUTE_DTYPE`)
-    layer_whole: int  # ... and those every device holds whole
-    dense_split: int  # the same for one dense block (`model.dense_layers`)
-    dense_read: int
-    dense_whole: int
-    top_split: int  # embedding, lm head and final norm
-    top_read: int
-    top_whole: int
-    experts: int  # one MoE block's routed experts (all E)
-    updated_whole: int  # parameters held whole whose moments split over the whole mesh (`optimizer`)
-    updated_split: int  # parameters split over the rack whose moments split over "replica" too, per device
-
-    def gathered_layer(self) -> int:
-        """What `rack` and `full` gather at once: the larger block's non-expert parameters and the embeddings, whole."""
-        return max(self.layer_split + self.layer_whole, self.dense_split + self.dense_whole) + self.top_split + \
-            self.top_whole
-
-
-def _param_bytes(cfg: RunConfig, platform: str = "gpu") -> ParamBytes:
-    """`ParamBytes` read off the params `transformer.init` would make and their `leaf_spec` on `cfg.mesh`; the bytes
-    as gathered in the compute dtype as `platform` moves them (XLA on CPU moves 16-bit rows as float32)."""
-    read_itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize
-    params = jax.eval_shape(lambda: transformer.init(cfg.model, jax.random.key(0)))
-    axes = {"replica": cfg.mesh.replica, "expert": cfg.mesh.expert}
-    sums = Counter()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        where = {"layers": "layer", "dense_layers": "dense"}.get(keys[0], "top")
-        per_layer = _nbytes(leaf) // (leaf.shape[0] if where != "top" else 1)
-        spec = mesh_lib.leaf_spec(path, leaf, axes, cfg.mesh.shard)
-        if keys[-1] in mesh_lib.EXPERT_WEIGHTS:
-            sums["experts"] += per_layer
-        elif "expert" in spec:
-            sums[f"{where}_split"] += per_layer
-            cast = keys[-1] in transformer.READ_IN_COMPUTE_DTYPE
-            sums[f"{where}_read"] += per_layer * read_itemsize // 4 if cast else per_layer
-        else:
-            sums[f"{where}_whole"] += per_layer
-        moment = mesh_lib.leaf_spec((jax.tree_util.GetAttrKey("opt_state"), *path), leaf, axes, cfg.mesh.shard)
-        if "replica" in str(moment):
-            sums["updated_split" if "expert" in spec else "updated_whole"] += _nbytes(leaf) // _split(spec, axes)
-    return ParamBytes(**{name: int(sums[name]) for name in ParamBytes._fields})
-
-
-def ring(size: float, group: int) -> float:
-    """Bytes one device sends to pass `size` bytes around a ring of `group` devices: size (group - 1) / group. The
-    one formula behind every count here (an all-reduce sends it twice: a reduce-scatter and an all-gather)."""
-    return size * (group - 1) / group if group > 1 else 0.0
-
-
-def communication(cfg: RunConfig, platform: str = "gpu", params: ParamBytes | None = None) -> dict[str, int]:
-    """Bytes one device sends per step, by collective and link: `<kind>_in_rack` over the rack's links, `<kind>_across_racks`
-    over the network. What the per-device step (`moelab.parallel.spmd`) emits, compiled (`collective_bytes_by_link`;
-    `benchmarks/comm_bytes.py` compares the two on simulated multi-rack meshes):
-    - `ep`'s all-to-alls, in the rack, each microbatch: per layer and wave, the rows out and back ([X, P, Din] each) in
-      the forward, the backward and (under remat) the recomputed forward, and the expert ids ([X, P] int32) in each
-      forward. XLA on CPU moves 16-bit rows as float32; on a GPU, in the compute dtype.
-    - under `rack` and `full`, in the rack, each microbatch: every split block parameter all-gathered where it is read
-      (again in its recomputed forward under remat; a matrix in the compute dtype) and its gradient reduce-scattered
-      (float32); the embedding and head gathered once a step (XLA hoists that out of the microbatch loop).
-    - the gradient, once a step: a leaf split over the rack all-reduced across racks as it is held (1/X); a whole
-      one reduce-scattered in the rack, all-reduced across racks in 1/X slices and all-gathered back. In the rack
-      in float32, across racks in `train.grad_reduce_dtype`.
-    - `optimizer` and `full` split moments over the racks too: the new parameters all-gathered across racks, once.
-    - small, each microbatch: the balancer's histogram (reduce-scattered by expert in the rack, summed across racks
-      in 1/X slices), its ranges, and the load and drop counts.
-    `params`: `_param_bytes(cfg, platform)` where the caller has it already.
-    """
-    R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
-    n = R * X
-    model, moe = cfg.model, cfg.model.moe
-    L, Ld, E, k = model.num_moe_layers, model.dense_layers, moe.num_experts, moe.num_experts_per_token
-    tokens = _rows_per_microbatch(cfg) * model.seq_len  # one device's, one microbatch
-    remat = model.remat != "none"
-    out = Counter()
-    if n == 1:
-        return {key: 0 for key in COMM_KEYS}
-    g = params or _param_bytes(cfg, platform)
-    itemsize = 4 if platform == "cpu" else jnp.dtype(cfg.train.compute_dtype).itemsize  # XLA on CPU moves 16-bit as 32
-    if moe.dispatch == "ep" and X > 1:
-        W = moe.num_waves
-        P = exchange.pool_size(tokens, k, X, E // X, W, moe.transport_factor)
-        rows = (3 if remat else 2) * 2 * X * P * model.expert_input_dim * itemsize
-        ids = (2 if remat else 1) * X * P * 4
-        out["all_to_all_in_rack"] += M * L * W * ring(rows + ids, X)
-    blocks_split, blocks_read = L * g.layer_split + Ld * g.dense_split, L * g.layer_read + Ld * g.dense_read
-    # The top's gather reads no microbatch: XLA hoists it out of the microbatch loop, once a step.
-    out["all_gather_in_rack"] += M * ring((1 + remat) * blocks_read, X) + ring(g.top_read, X)
-    out["reduce_scatter_in_rack"] += M * ring(blocks_split + g.top_split, X)  # float32
-    # The gradient, once a step: across racks in `train.grad_reduce_dtype` (the bytes above are float32, as held).
-    across = 1.0 if platform == "cpu" else jnp.dtype(cfg.train.grad_reduce_dtype).itemsize / 4
-    held = (blocks_split + g.top_split + L * g.experts) / X
-    out["all_reduce_across_racks"] += 2 * ring(held, R) * across
-    whole = L * g.layer_whole + Ld * g.dense_whole + g.top_whole
-    if X > 1 and R > 1:
-        out["reduce_scatter_in_rack"] += ring(whole, X)
-        out["all_reduce_across_racks"] += 2 * ring(whole / X, R) * across
-        out["all_gather_in_rack"] += ring(whole, X)
-    elif R == 1:
-        out["all_reduce_in_rack"] += 2 * ring(whole, n)
-    else:
-        out["all_reduce_across_racks"] += 2 * ring(whole, n) * across
-    # `optimizer` / `full`: the update is computed where the moments are, and the new parameters shared back.
-    out["all_gather_across_racks"] += ring(g.updated_whole, n) + ring(g.updated_split, R)
-    # The balancer and the statistics, each microbatch and MoE layer.
-    small = 4 * (E + 6)  # the load and the drop counts, float32
-    if moe.balancing == "hist":
-        solves = 1 + (moe.rebalance_iterations if moe.rebalance_steps else 0)
-        hist = 4 * E * moe.hist_bins
-        small += solves * 2 * 4 * E  # the ranges (pmax)
-        if X > 1 and E % X == 0:  # `balancing.fair_share_quantile_hist`'s two stages
-            out["reduce_scatter_in_rack"] += M * L * solves * ring(hist, X)
-            out["all_reduce_across_racks"] += M * L * solves * 2 * ring(hist / X, R)
-            out["all_gather_in_rack"] += M * L * solves * ring(4 * E, X)
-        else:
-            small += solves * hist
-    out["all_reduce_in_rack" if R == 1 else "all_reduce_across_racks"] += M * L * 2 * ring(small, n)
-    return {key: int(out[key]) for key in COMM_KEYS}
-
-
-COMM_KEYS = ("all_to_all_in_rack", "all_gather_in_rack", "reduce_scatter_in_rack", "all_reduce_in_rack",
-             "all_gather_across_racks", "all_reduce_across_racks")
 
 
 # One-setting changes `advise` tries, largest lever first: (field, value, what it does).
@@ -492,10 +244,10 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
     when the step is tight or over `hbm`: six more plans, which a caller that reads only the total does not pay.
     """
     R, X, M = cfg.mesh.replica, cfg.mesh.expert, cfg.train.microbatches
-    rows = _rows_per_microbatch(cfg)
+    rows = rows_per_microbatch(cfg)
     state = state_bytes(cfg)
     grads = state["params"]  # float32, in the params' layout
-    g = _param_bytes(cfg, platform)
+    g = param_bytes(cfg, platform)
     grad_sum = grads if M > 1 else 0
     act = activation_bytes(cfg, rows, platform)
     # one layer + embeddings, and their grads
@@ -523,184 +275,3 @@ def plan(cfg: RunConfig, hbm: int | None = None, platform: str = "gpu", links: L
         result = replace(result, advice=advise(cfg, result, platform, links))
     return result
 
-
-# ----------------------------------------------------------------------------------------------
-# the compiler's figures: the real train step compiled on abstract arrays (nothing allocated or run)
-
-COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-               "f64": 8, "s64": 8, "u64": 8}
-
-
-def _shape_bytes(types: str) -> int:
-    """Bytes of an HLO type or tuple of types, e.g. `(f32[1,13,32]{2,1,0}, s32[1,13]{1,0})`."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", types):
-        if dtype in DTYPE_BYTES:
-            total += math.prod(int(d) for d in filter(None, dims.split(","))) * DTYPE_BYTES[dtype]
-    return total
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-    """The device groups of one collective, as positions in the mesh's device order: listed `{{0,1},{2,3}}`, the iota
-    form `[2,4]<=[8]` or `[4,2]<=[2,4]T(1,0)`, the mesh form `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`, a
-    collective-permute's `source_target_pairs`; one group of all `num_devices` when it names none."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-    if mesh:
-        sizes = {axis: int(size) for axis, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
-        names = list(sizes)
-        over = set(re.findall(r"'(\w+)'", mesh.group(2)))
-        ids = np.arange(num_devices).reshape([sizes[a] for a in names])
-        kept = [i for i, a in enumerate(names) if a in over]
-        moved = np.moveaxis(ids, kept, list(range(len(names) - len(kept), len(names))))
-        return moved.reshape(-1, math.prod(sizes[names[i]] for i in kept)).tolist()
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        shape = [int(d) for d in iota.group(1).split(",")]
-        dims = [int(d) for d in iota.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
-        return ids.reshape(-1, shape[-1]).tolist()
-    listed = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
-    if listed and listed.group(1) != "{}":
-        return [[int(d) for d in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", listed.group(1))]
-    if "source_target_pairs=" in line:
-        return [[int(d) for d in pair.split(",")] for pair in re.findall(r"\{(\d+,\d+)\}", line)]
-    return [list(range(num_devices))]
-
-
-def _group_size(line: str, num_devices: int) -> int:
-    """Devices in each replica group of a collective (a collective-permute: 2, a sender and a receiver)."""
-    if "source_target_pairs=" in line:
-        return 2
-    return len(replica_groups(line, num_devices)[0])
-
-
-def spans_racks(line: str, num_devices: int, rack_size: int) -> bool:
-    """Whether any group of a collective holds devices of two racks (mesh positions p // rack_size differ)."""
-    return any(len({d // rack_size for d in group}) > 1 for group in replica_groups(line, num_devices))
-
-
-def _wire_bytes(kind: str, result: int, n: int) -> float:
-    """Bytes one device sends for a collective whose result on it is `result` bytes, over groups of `n`
-    (ring algorithms: an all-reduce is a reduce-scatter and an all-gather)."""
-    if n <= 1:
-        return 0
-    return {"all-to-all": ring(result, n), "all-gather": ring(result, n), "reduce-scatter": ring(result * n, n),
-            "all-reduce": 2 * ring(result, n), "collective-permute": result}[kind]
-
-
-def collective_bytes(hlo: str, num_devices: int) -> dict[str, int]:
-    """Bytes one device sends per execution of an HLO module's entry computation, by kind of collective.
-
-    Walks from ENTRY: a collective (or its async `-start`) adds what it sends (`_wire_bytes`, from its
-    result and its group size); a while loop adds its body's total times its `known_trip_count` (an
-    unknown trip count raises rather than guessing); a conditional adds its largest branch; any other
-    called computation adds its total once.
-    """
-    found = _walk(hlo, num_devices, lambda line: "")
-    return {kind: int(found.get((kind, ""), 0)) for kind in COLLECTIVES}
-
-
-LINKS = ("in_rack", "across_racks")
-
-
-def collective_bytes_by_link(hlo: str, num_devices: int, rack_size: int) -> dict[str, dict[str, int]]:
-    """`collective_bytes` split by link: {"in_rack": {kind: bytes}, "across_racks": {kind: bytes}}. A collective
-    whose groups hold devices of two racks (`spans_racks`; a rack is `rack_size` consecutive mesh positions, the
-    mesh's "expert" axis) crosses the network; every other stays on the rack's links."""
-    found = _walk(hlo, num_devices,
-                  lambda line: LINKS[spans_racks(line, num_devices, rack_size)])
-    return {link: {kind: int(found.get((kind, link), 0)) for kind in COLLECTIVES} for link in LINKS}
-
-
-def _walk(hlo: str, num_devices: int, link: Any) -> Counter:
-    """{(kind, link(line)): bytes one device sends} over one execution of the entry computation (`collective_bytes`)."""
-    computations: dict[str, list[str]] = {}
-    entry = current = None
-    for line in hlo.splitlines():
-        header = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header:
-            current = header.group(2)
-            computations[current] = []
-            entry = current if header.group(1) else entry
-        elif current is not None and line.startswith("  "):
-            computations[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-
-    @functools.cache
-    def total(name: str) -> Counter:
-        count: Counter = Counter()
-        for line in computations[name]:
-            op = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z\-]+)\(", line)
-            if not op:
-                continue
-            result, opcode = op.groups()
-            kind = opcode.removesuffix("-start")
-            if kind in COLLECTIVES:
-                count[(kind, link(line))] += _wire_bytes(kind, _shape_bytes(result), _group_size(line, num_devices))
-            elif opcode == "while":
-                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                if trips is None:
-                    raise ValueError(f"while loop {body} has no known trip count; cannot count its collectives")
-                for k, v in total(body).items():
-                    count[k] += int(trips.group(1)) * v
-            elif opcode == "conditional":
-                branches = re.search(r"branch_computations=\{([^}]*)\}", line).group(1)
-                count += max((total(b.strip().lstrip("%")) for b in branches.split(",")), key=lambda c: sum(c.values()))
-            else:
-                for called in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
-                    count += total(called)
-        return count
-
-    return total(entry)
-
-
-def compile_step(cfg: RunConfig) -> Any:
-    """`make_train_step(cfg, mesh)` lowered and compiled on abstract inputs; the devices must exist
-    (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)."""
-    from moelab.train.loop import make_train_step
-    from moelab.train.state import state_shardings
-
-    mesh = mesh_lib.make_mesh(cfg.mesh)
-    shapes = jax.eval_shape(lambda: init_state(cfg))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                         state_shardings(cfg, mesh))
-    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                  sharding=mesh_lib.batch_sharding(mesh))
-    lowered = make_train_step(cfg, mesh).lower(state, tokens, jnp.float32(jnp.inf))
-    # LLVM's optimizations would double the compile time; they come after the HLO passes that place the
-    # collectives and assign the buffers, so the figures read here are the same without them.
-    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
-
-
-def compiled_figures(cfg: RunConfig) -> dict[str, Any]:
-    """XLA's per-device memory (`memory_analysis`) and collective bytes of the compiled step, and the compile time."""
-    started = time.perf_counter()
-    compiled = compile_step(cfg)
-    seconds = time.perf_counter() - started
-    m = compiled.memory_analysis()
-    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return {"total": int(total), "arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
-            "outputs_not_aliased": int(m.output_size_in_bytes - m.alias_size_in_bytes),
-            "collectives": collective_bytes(compiled.as_text(), cfg.mesh.num_devices), "compile_seconds": round(seconds, 1)}
-
-
-def compile_in_subprocess(cfg: RunConfig, timeout: float = 1800) -> dict[str, Any]:
-    """`compiled_figures(cfg)` in a fresh Python on `cfg.mesh.num_devices` simulated CPU devices."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                        f"--xla_force_host_platform_device_count={cfg.mesh.num_devices}".strip()}
-    done = subprocess.run([sys.executable, "-m", "moelab.train.memory_plan"], input=json.dumps(to_dict(cfg)),
-                          capture_output=True, text=True, env=env, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling {cfg.name} on {cfg.mesh.num_devices} simulated devices failed:\n"
-                           f"{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":  # the child of compile_in_subprocess: a config's JSON on stdin, figures on stdout
-    print(json.dumps(compiled_figures(from_dict(json.loads(sys.stdin.read())))))

@@ -7,7 +7,7 @@
 
 The compute is the config's training FLOPs per step (`accounting.flops_per_token`) split over the mesh,
 at an MFU: the user's, or the newest one measured on that device kind (`MEASURED_MFU`, from the lab's
-GPU records). The communication is `memory_plan.communication`'s bytes at the device's link bandwidths
+GPU records). The communication is `traffic.communication`'s bytes at the device's link bandwidths
 (inside a rack over NVLink, between racks over the network), each link at its own. The step is planned
 without overlap (compute, then communication); the overlapped figure hides only what a compiled schedule
 has been seen to overlap (`SHOWN_OVERLAP`: nothing yet), and beside it stands the most `ep`'s waves could
@@ -22,7 +22,7 @@ from typing import Any
 from moelab import accounting
 from moelab.config import RunConfig
 from moelab.errors import ConfigError
-from moelab.train.memory_plan import Links
+from moelab.train.traffic import Links
 
 __all__ = ["Device", "DEVICES", "MEASURED_MFU", "SHOWN_OVERLAP", "device_named", "check_mfu", "check_peak_flops", "estimate"]
 
@@ -31,7 +31,7 @@ DAY = 86_400.0
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator by its datasheet: dense bf16 FLOP/s, HBM bytes, and its links (`memory_plan.Links`)."""
+    """One accelerator by its datasheet: dense bf16 FLOP/s, HBM bytes, and its links (`traffic.Links`)."""
 
     name: str
     peak_flops: float
@@ -57,7 +57,7 @@ MEASURED_MFU = {
 
 
 # The share of each collective's time a compiled schedule of the step has been seen to hide behind compute, keyed as
-# `memory_plan.communication`. None yet: XLA on CPU emits every collective synchronously (no start / done pairs), and
+# `traffic.communication`. None yet: XLA on CPU emits every collective synchronously (no start / done pairs), and
 # no GPU compile of the multi-device step has been read. A share measured on a GPU goes here, with its record.
 SHOWN_OVERLAP: dict[str, float] = {}
 
@@ -89,8 +89,7 @@ def estimate(cfg: RunConfig, plan: Any, peak_flops: float, mfu: float, mfu_sourc
     at `plan.links` (a `memory_plan.Plan`)."""
     check_peak_flops(peak_flops)
     check_mfu(mfu)
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-    flops_per_device = accounting.flops_per_token(cfg.model) * tokens_per_step / cfg.mesh.num_devices
+    flops_per_device = accounting.flops_per_token(cfg.model) * accounting.tokens_per_step(cfg) / cfg.mesh.num_devices
     compute = flops_per_device / (mfu * peak_flops)
     seconds = plan.comm_seconds
     communication = float(sum(seconds.values()))
