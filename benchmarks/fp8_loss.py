@@ -31,6 +31,7 @@ def run(preset: str, steps: int, seed: int, fp8: bool, out: Path) -> dict:
     start = time.perf_counter()
     summary = train(presets.resolve(preset, sets), out / f"{'fp8' if fp8 else 'bf16'}-seed{seed}")
     return {"fp8": fp8, "seed": seed, "loss": summary["loss"], "eval_mean": summary["eval_mean"],
+            "eval_initial": summary["eval_initial"]["mean"],  # before any step: the same weights, FP8 or not
             "tokens_per_s": summary["tokens_per_s"], "seconds": time.perf_counter() - start}
 
 

@@ -36,9 +36,8 @@ from moelab.errors import ConfigError
 from moelab.model import transformer
 from moelab.parallel import mesh as mesh_lib
 from moelab.train import memory_plan
-from moelab.train.state import compute_dtype
+from moelab.train.state import compute_dtype, init_sharded_state
 from moelab.train.step import make_train_step
-from moelab.train.state import init_sharded_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, however this file loads
 from moe_layer import write_json  # noqa: E402  (atomic: a killed run leaves the previous file)
@@ -171,7 +170,7 @@ def time_train_step(cfg: RunConfig, steps: int, warmup: int, windows: int, budge
 def report(cfg: RunConfig, timing: dict, peak: dict) -> dict:
     """Throughput and MFU from a timing; every FLOP count comes from `moelab.accounting`."""
     m, t = cfg.model, cfg.train
-    tokens_per_step = t.batch_size * m.seq_len
+    tokens_per_step = accounting.tokens_per_step(cfg)
     tokens_per_s = tokens_per_step / timing["step_time_s"]
     counts = accounting.count_params(m)
     return {

@@ -54,7 +54,7 @@ def main() -> None:
         jax.block_until_ready(metrics)
         windows.append(time.perf_counter() - start)
     seconds = statistics.median(windows)
-    tokens_per_s = args.steps * t.batch_size * m.seq_len / seconds
+    tokens_per_s = args.steps * accounting.tokens_per_step(cfg) / seconds
     result = {
         "benchmark": "train_cpu",
         "preset": args.preset,

@@ -200,10 +200,32 @@ def test_the_plan_is_within_10_percent_of_the_h200_peak(preset, backend):
 
 
 def test_xla_attention_scores_are_left_out_on_a_gpu_and_counted_on_cpu():
-    """The GPU plan traces cuDNN's residuals: none of XLA's [S, S] scores, whatever GQA's layout."""
-    cfg = override(presets.get("tiny"), {"model.seq_len": 256, "model.num_kv_heads": 2})
+    """The GPU plan traces cuDNN's residuals: none of XLA's [S, S] scores, whatever GQA's layout. Read off the
+    residual list itself (no saved array ends in [S, S] as the GPU plan traces the loss; the CPU trace has them),
+    and the bytes differ by at least one float32 copy of the scores."""
+    import jax.numpy as jnp
+
+    from moelab.model import transformer
+    from moelab.model.moe import build_moe
+    from moelab.train import residuals
+
+    S = 256
+    cfg = override(presets.get("tiny"), {"model.seq_len": S, "model.num_kv_heads": 2})
+    m = cfg.model
+    params = jax.eval_shape(lambda: transformer.init(m, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((4, S + 1), jnp.int32)
+    bias = jax.ShapeDtypeStruct((m.num_moe_layers, m.moe.num_experts), jnp.float32)
+
+    def saved_shapes(attend) -> list[tuple]:
+        def loss(p, t, b):
+            return transformer.loss(p, t, m, b, jnp.bfloat16, dispatch=build_moe(m), attend=attend)[0]
+        return [aval.shape for aval, where in residuals.saved_residuals(loss, params, tokens, bias)
+                if where != "argument"]
+
+    assert not [s for s in saved_shapes(residuals.fused_attention) if s[-2:] == (S, S)]
+    assert [s for s in saved_shapes(transformer.causal_attention) if s[-2:] == (S, S)]
     gpu, cpu = memory_plan.activation_bytes(cfg, 4, "gpu"), memory_plan.activation_bytes(cfg, 4, "cpu")
-    scores = cfg.model.num_layers * 4 * cfg.model.num_heads * 256 * 256 * 4  # float32, one copy
+    scores = m.num_layers * 4 * m.num_heads * S * S * 4  # float32, one copy
     assert cpu.saved - gpu.saved >= scores
 
 
@@ -300,3 +322,44 @@ def test_overlap_hides_only_the_shown_share_and_never_more_than_the_compute(monk
     assert big["step_seconds"] - big["step_seconds_overlapped"] == pytest.approx(big["compute_seconds"])
     assert big["days_overlapped"] < big["days"]
     assert _timed(comm, dispatch="capacity", waves=1)["all_to_all_hideable_seconds"] == 0
+
+
+def test_the_residuals_read_off_the_jaxpr_are_the_ones_jax_prints():
+    """`residuals.saved_residuals` against JAX's own listing (`jax.ad_checkpoint.print_saved_residuals`): the same
+    residuals, each as an argument, a scan's output or other; on tiny under remat `dots` (the layer scan) and on a
+    checkpointed function outside any scan (JAX saves through a `reduce_precision` there)."""
+    import contextlib
+    import io
+    import re
+
+    import jax.numpy as jnp
+
+    from moelab.model import transformer
+    from moelab.model.moe import build_moe
+    from moelab.train import residuals
+
+    def printed(fn, *args) -> list[tuple[str, str]]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(fn, *args)
+        where = {"from the argument": "argument", "output of scan": "scan"}
+        return sorted((shape, next((v for k, v in where.items() if why.startswith(k)), "other"))
+                      for shape, why in re.findall(r"^(\S+) (.*)$", out.getvalue(), flags=re.M))
+
+    def ours(fn, *args) -> list[tuple[str, str]]:
+        return sorted((aval.str_short(short_dtypes=True), where) for aval, where in residuals.saved_residuals(fn, *args))
+
+    m = override(presets.get("tiny"), {"model.remat": "dots", "model.num_layers": 2}).model
+    params = jax.eval_shape(lambda: transformer.init(m, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((2, m.seq_len + 1), jnp.int32)
+    bias = jax.ShapeDtypeStruct((m.num_moe_layers, m.moe.num_experts), jnp.float32)
+
+    def loss(p, t, b):
+        return transformer.loss(p, t, m, b, jnp.bfloat16, dispatch=build_moe(m))[0]
+
+    def outside_a_scan(x, w):
+        return jnp.sum(jax.checkpoint(lambda x: jnp.sin(x @ w) @ w)(x))
+
+    x, w = jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    for fn, args in ((loss, (params, tokens, bias)), (outside_a_scan, (x, w))):
+        assert ours(fn, *args) == printed(fn, *args)

@@ -515,3 +515,17 @@ def test_report_table_cells_break_only_long_tokens_never_words():
     assert _cell_html(f"commit {long}") == f'commit <span class="long">{long}</span>'
     assert ".long{overflow-wrap:anywhere}" in _CSS and "td,th{" in _CSS
     assert "overflow-wrap:anywhere}" not in _CSS.split(".long")[0]  # cells themselves never break words
+
+
+def test_the_router_settings_are_read_from_config_yaml_even_with_a_knob_this_moelab_no_longer_knows(tmp_path):
+    """`view.read_moe_config` reads config.yaml as a config is read; an unknown key in `model.moe` (a knob an older
+    moelab had) is left out, a value the config refuses or a missing file shows no settings rather than failing."""
+    from moelab.lab.view import read_moe_config
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"moe": {
+        "num_experts": 16, "dispatch": "ep", "transport_capacity_factor": 2.0, "old_knob": 3}}}))
+    moe = read_moe_config(tmp_path)
+    assert (moe.num_experts, moe.dispatch, moe.resolved_transport_capacity_factor) == (16, "ep", 2.0)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"moe": {"num_experts": -1}}}))
+    assert read_moe_config(tmp_path) is None
+    assert read_moe_config(tmp_path / "missing") is None

@@ -5,7 +5,7 @@
     moelab plan --preset ladder-d1024 --mesh expert=8 --compile      # and XLA's own figures beside the plan
     moelab plan --preset frontier-535b --mesh replica=11,expert=64 --device gb200 --mfu 0.4   # and how long it runs
 
-The counting is `moelab.train.memory_plan`'s and `traffic`'s (`hlo`'s with --compile-xla); this module parses and prints.
+The counting is `moelab.train.memory_plan`'s and `traffic`'s (`hlo`'s with --compile); this module parses and prints.
 """
 
 from __future__ import annotations

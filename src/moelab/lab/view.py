@@ -13,6 +13,7 @@ ROOT or not), `series` the one metric series and `final_value` the one observed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,11 +59,15 @@ DROP_KEYS = ("drop_fraction", "drop_fraction_at_sender", "drop_fraction_at_recei
 def read_moe_config(out: Path) -> MoEConfig | None:
     """The run's `model.moe` as its config.yaml holds it, read as a config is (`config.read_yaml`, `from_dict`);
     None when the file is absent, unreadable or holds a section MoEConfig refuses (a page then says it has no
-    settings to show). Only the section is built: a run whose other sections an older moelab wrote still shows it."""
+    settings to show). Only the section is built, from the keys this moelab knows: a run an older moelab wrote still
+shows its routing."""
     try:
         data = read_yaml(out / CONFIG, "config", "the run directory has no config")
         moe = ((data or {}).get("model") or {}).get("moe") if isinstance(data, dict) else None
-        return from_dict(moe, MoEConfig) if isinstance(moe, dict) else None
+        if not isinstance(moe, dict):
+            return None
+        known = {f.name for f in dataclasses.fields(MoEConfig)}  # a knob since removed still shows the rest
+        return from_dict({k: v for k, v in moe.items() if k in known}, MoEConfig)
     except (ConfigError, OSError):
         return None
 

@@ -4,7 +4,7 @@ bytes its collectives send, read off the HLO by link.
     figures = hlo.compile_in_subprocess(cfg)          # XLA's memory and collectives on simulated CPU devices
     by_link = hlo.collective_bytes_by_link(compiled_text, 8, 4)  # {"in_rack": {kind: bytes}, "across_racks": ...}
 
-What `moelab plan --compile-xla`, `benchmarks/plan_vs_xla.py` and `benchmarks/comm_links.py` check the planner
+What `moelab plan --compile`, `benchmarks/plan_vs_xla.py` and `benchmarks/comm_links.py` check the planner
 (`memory_plan`, `traffic`) against; it counts in the planner's terms (`traffic.ring`).
 """
 
@@ -35,7 +35,7 @@ __all__ = ["COLLECTIVES", "LINKS", "replica_groups", "spans_racks", "collective_
            "compile_step", "compiled_figures", "compile_in_subprocess"]
 
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                "f64": 8, "s64": 8, "u64": 8}
 
 
@@ -43,8 +43,8 @@ def _shape_bytes(types: str) -> int:
     """Bytes of an HLO type or tuple of types, e.g. `(f32[1,13,32]{2,1,0}, s32[1,13]{1,0})`."""
     total = 0
     for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", types):
-        if dtype in DTYPE_BYTES:
-            total += math.prod(int(d) for d in filter(None, dims.split(","))) * DTYPE_BYTES[dtype]
+        if dtype in _DTYPE_BYTES:
+            total += math.prod(int(d) for d in filter(None, dims.split(","))) * _DTYPE_BYTES[dtype]
     return total
 
 
@@ -204,7 +204,6 @@ def compile_in_subprocess(cfg: RunConfig, timeout: float = 1800) -> dict[str, An
         raise RuntimeError(f"compiling {cfg.name} on {cfg.mesh.num_devices} simulated devices failed:\n"
                            f"{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 
 if __name__ == "__main__":  # the child of compile_in_subprocess: a config's JSON on stdin, figures on stdout

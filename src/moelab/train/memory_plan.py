@@ -1,4 +1,4 @@
-"""How much memory one device needs for a config's train step, and what it moves per step (`moelab plan`).
+"""How much memory one device needs for a config's train step (`moelab plan`; what it sends is `traffic`'s).
 
     plan = memory_plan.plan(presets.get("frontier-535b"), hbm=186e9, advise_too=True)
     plan.total, plan.fits, plan.largest, plan.advice    # advice: one-setting changes, re-planned
@@ -7,8 +7,9 @@ Counted before launch, nothing allocated. The state terms are exact: every leaf 
 abstract tree, divided by the devices `parallel.mesh.leaf_spec` splits it over. The activations are
 what JAX itself saves for the backward pass of `transformer.loss` on one device's microbatch, under the
 config's remat policy (`moelab.train.residuals`: the same residuals the compiled step keeps), with attention
-and the grouped GEMM traced as the target compiles them, plus the backward's working set (`activation_bytes`). The peak is the state plus the largest of three phases (`plan`): the head's
-backward, the blocks' backward and the update.
+and the grouped GEMM traced as the target compiles them, plus the backward's working set (`activation_bytes`).
+The peak is the state plus the largest of three phases (`plan`): the head's backward, the blocks' backward and
+the update.
 
 Approximations, each named in `docs/scaling-out.md`: `ep`'s buffers are counted as the `capacity`
 backend's for the device's tokens (the same rows: capacity factor x tokens x k); the partitioner's own
@@ -17,7 +18,7 @@ analysis on simulated CPU meshes; `tests/test_memory_plan.py` pins the H200's me
 
 Communication is what one device sends per step (`moelab.train.traffic`), timed at the stated link bandwidths
 (inside a rack over NVLink, between racks over the network); `moelab.train.run_length` adds it to the compute,
-with and without overlap. The compiler's own figures, which `--compile-xla` and the benchmarks compare with these,
+with and without overlap. The compiler's own figures, which `--compile` and the benchmarks compare with these,
 are `moelab.train.hlo`'s.
 """
 
@@ -40,10 +41,9 @@ from moelab.train import residuals as residuals_lib
 from moelab.train.state import init_state
 from moelab.train.traffic import Links, devices_split_over, communication, nbytes, param_bytes, rows_per_microbatch
 
-__all__ = ["GB", "XLA_GPU_SLOP", "XLA_MEM_FRACTION", "Plan", "parse_bytes", "state_bytes", "Activations",
+__all__ = ["XLA_GPU_SLOP", "XLA_MEM_FRACTION", "Plan", "parse_bytes", "state_bytes", "Activations",
            "activation_bytes", "advise", "plan"]
 
-GB = 1e9
 # XLA's GPU compiler budgets a program's temporaries at (the memory JAX gives it - the arguments and outputs)
 # x xla_gpu_memory_limit_slop_factor / 100 (default 95), and past that runs its rematerialization pass after
 # scheduling: recomputation nobody asked for. JAX gives it XLA_PYTHON_CLIENT_MEM_FRACTION of the device (0.75
@@ -106,7 +106,6 @@ class Plan:
                 "links": {"nvlink": self.links.nvlink, "network": self.links.network}}
 
 
-
 def parse_bytes(text: str, name: str) -> int:
     """'186GB', '141 GiB', '8e10B' -> bytes; a ConfigError naming `name` otherwise. A bare number is refused: `--hbm
     80` meant 80 GB, and read as 80 bytes it made every plan "not fit"."""
@@ -128,7 +127,6 @@ def parse_bytes(text: str, name: str) -> int:
         raise ConfigError(f"{name}={text!r} is invalid: the unit {unit!r}{hint} is not one of B, KB, MB, GB, TB, KiB, "
                           "MiB, GiB, TiB; give a positive size such as 186GB or 141GiB.")
     return int(value * units[unit])
-
 
 
 def state_bytes(cfg: RunConfig) -> dict[str, int]:
@@ -195,7 +193,6 @@ def activation_bytes(cfg: RunConfig, rows: int, platform: str = "gpu") -> Activa
     return Activations(saved=saved.total, logits_sized=saved.logits_sized,
                        logits_grad=logits * 4,
                        block_work=recomputed + 2 * saved.largest_per_layer)
-
 
 
 # One-setting changes `advise` tries, largest lever first: (field, value, what it does).

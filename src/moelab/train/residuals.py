@@ -1,12 +1,12 @@
-"""What JAX saves between a function's forward and backward passes, traced as a platform compiles it.
+"""What JAX saves between a function's forward and backward passes: the planner's activation term.
 
-    saved = residuals.of(lambda p, t, b: loss(p, t, b), params, tokens, bias, vocab_size=V, platform="gpu")
+    saved = residuals.of(lambda p, t, b: loss(p, t, b), params, tokens, bias, vocab_size=V)
 
-The planner's activation term (`memory_plan.activation_bytes`). The list is read off the jaxpr of `jax.vjp`, as
-`jax.ad_checkpoint.print_saved_residuals` prints it: every residual that is not an argument, by where it was
-made (a `scan`'s output: the layer loop's; else the rest). On "gpu" attention is traced as cuDNN's fused kernel
-(`fused_attention`: it cannot be traced off a GPU) and the grouped GEMM with a GPU's tiles; the caller passes
-both to the model, which keeps no global to patch.
+The list is read off the jaxpr of `jax.vjp`, as `jax.ad_checkpoint.print_saved_residuals` prints it: every
+residual that is not an argument, by where it was made (a `scan`'s output: the layer loop's; else the rest).
+The caller traces the model as its target compiles it: `memory_plan.activation_bytes` passes the model
+`fused_attention` for a GPU (cuDNN's residuals; the real kernel cannot be traced off a GPU) and a GPU's grouped
+GEMM tiles (`Dispatch.tiled_for_gpu`). The model keeps no global to patch.
 """
 
 from __future__ import annotations
@@ -49,22 +49,26 @@ def _fused_attention_backward(saved, g):
 fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward)
 
 
-
 def saved_residuals(fn: Callable, *args: Any) -> list[tuple[Any, str]]:
     """(abstract value, "argument" | "scan" | "other") of each residual `jax.vjp(fn, *args)` keeps for the backward."""
     closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a), return_shape=True)(*args)
     jaxpr = closed.jaxpr
     num_residuals = len(jax.tree.leaves(shapes[1]))
     arguments = set(jaxpr.invars)
-    made_by = {var: eqn.primitive.name for eqn in jaxpr.eqns for var in eqn.outvars}
+    made_by = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
     found = []
     for var in jaxpr.outvars[len(jaxpr.outvars) - num_residuals:]:
+        aval = var.aval
+        # `jax.checkpoint` outside a scan saves through a `reduce_precision`: the residual is what it reads.
+        while not isinstance(var, jax.extend.core.Literal) and var in made_by \
+                and made_by[var].primitive.name == "reduce_precision":
+            var = made_by[var].invars[0]
         if isinstance(var, jax.extend.core.Literal):
-            found.append((var.aval, "other"))
+            found.append((aval, "other"))
         elif var in arguments:
-            found.append((var.aval, "argument"))
+            found.append((aval, "argument"))
         else:
-            found.append((var.aval, "scan" if made_by.get(var) == "scan" else "other"))
+            found.append((aval, "scan" if var in made_by and made_by[var].primitive.name == "scan" else "other"))
     return found
 
 
@@ -85,7 +89,6 @@ class Residuals:
     @property
     def total(self) -> int:
         return self.in_loop + self.logits_sized + self.other
-
 
 
 def of(fn: Callable, params: Any, *args: Any, vocab_size: int, experts_split: int = 1) -> Residuals:

@@ -1,8 +1,8 @@
 """Resuming a run: which config changes a resume may make, and where a run starts (step 0, its newest valid
 checkpoint, or the weights `moelab import` left), with its logs cut back to that step.
 
-The driver (`moelab.train.loop`) asks `check_config` before anything is built and `restore` once the state is;
-both raise ConfigError naming what blocks the resume and the fix.
+The driver (`moelab.train.loop`) asks `check_config` before anything is built, `restore` once the state is, and
+`check_same_store` once the data is read; each raises ConfigError naming what blocks the resume and the fix.
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ def check_config(cfg: RunConfig, out: Path) -> dict[str, tuple[Any, Any]]:
         check_same_weights(load_yaml(config_path), cfg)
         return {}
     return check_resumable(load_yaml(config_path), cfg)
-
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ class Links:
     network: float = 50e9
 
 
-
 def nbytes(leaf: Any) -> int:
     """Bytes of an array or its abstract shape."""
     return int(np.prod(leaf.shape, dtype=np.int64)) * jnp.dtype(leaf.dtype).itemsize
@@ -53,11 +52,9 @@ def devices_split_over(spec: Any, axes: dict[str, int]) -> int:
     return n
 
 
-
 def rows_per_microbatch(cfg: RunConfig) -> int:
     """Sequences one device runs at once."""
     return cfg.train.batch_size // (cfg.mesh.num_devices * cfg.train.microbatches)
-
 
 
 class ParamBytes(NamedTuple):
@@ -108,7 +105,6 @@ def param_bytes(cfg: RunConfig, platform: str = "gpu") -> ParamBytes:
     return ParamBytes(**{name: int(sums[name]) for name in ParamBytes._fields})
 
 
-
 def ring(size: float, group: int) -> float:
     """Bytes one device sends to pass `size` bytes around a ring of `group` devices: size (group - 1) / group. The
     one formula behind every count here (an all-reduce sends it twice: a reduce-scatter and an all-gather)."""
@@ -117,7 +113,7 @@ def ring(size: float, group: int) -> float:
 
 def communication(cfg: RunConfig, platform: str = "gpu", params: ParamBytes | None = None) -> dict[str, int]:
     """Bytes one device sends per step, by collective and link: `<kind>_in_rack` over the rack's links, `<kind>_across_racks`
-    over the network. What the per-device step (`moelab.parallel.spmd`) emits, compiled (`collective_bytes_by_link`;
+    over the network. What the per-device step (`moelab.parallel.spmd`) emits, compiled (`hlo.collective_bytes_by_link`;
     `benchmarks/comm_bytes.py` compares the two on simulated multi-rack meshes):
     - `ep`'s all-to-alls, in the rack, each microbatch: per layer and wave, the rows out and back ([X, P, Din] each) in
       the forward, the backward and (under remat) the recomputed forward, and the expert ids ([X, P] int32) in each
