@@ -24,7 +24,7 @@ import pytest
 from moelab import presets
 from moelab.presets import scale_model
 from moelab.ladder.contract import read_curves, read_target
-from moelab.ladder.curve import curve_loss
+from moelab.ladder.curve import TRANSIENT_FRACTION, curve_loss
 from moelab.ladder.fit import fit_curve_law
 from moelab.ladder.on_track import OnTrack
 from moelab.ladder.run import curve_rows, target_rows, write_csv
@@ -72,7 +72,8 @@ def _watch(cfg, prediction, out):
 
 def test_a_healthy_run_keeps_its_forecast_inside_the_preregistered_final_band(prediction, tmp_path):
     evals, incidents, outside = _watch(_config(data_seed=1), prediction, tmp_path / "healthy")
-    assert len(evals) >= STEPS // EVERY - 1  # every eval after warmup carries a forecast
+    # Every eval the law was fitted over (past warmup and the transient: `curve.fitted_rows`) carries a forecast.
+    assert [r["step"] for r in evals] == [s for s in range(EVERY, STEPS + 1, EVERY) if s >= TRANSIENT_FRACTION * STEPS]
     assert all(r["forecast/lo95"] < r["forecast/final"] < r["forecast/hi95"] for r in evals)
     assert outside == [] and "off_track" not in incidents and "forecast_off_track" not in incidents
 

@@ -162,3 +162,36 @@ def test_the_train_steps_compile_time_stays_on_a_line_and_off_a_terminal_every_s
     assert len(re.findall(r"compiling the train step: \d+\.\d s", err)) == 1
     assert bool(re.search(r"building the model: \d+\.\d s", err)) is not terminal
 
+
+def test_weight_decay_shrinks_the_matrices_and_leaves_every_norm_gain_alone():
+    """Issue 59: stacked over layers a gain is [L, D], as many dimensions as a matrix, and the rank rule decayed
+    every block's gains. With a zero gradient AdamW moves a parameter only by its decay: each matrix shrinks, and
+    no gain (attention, MLP, latent, QK, final norms; dense blocks' too) moves at all."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from moelab import presets
+    from moelab.config import override
+    from moelab.model import transformer
+    from moelab.train.state import decay_mask, make_optimizer
+
+    cfg = override(presets.get("tiny"), {"model.dense_layers": 1, "model.qk_norm": "head", "train.warmup_steps": 1,
+                                         "train.weight_decay": 0.1})
+    params = transformer.init(cfg.model, jax.random.key(0))
+    tx = make_optimizer(cfg.train)
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for _ in range(2):  # the first step is the warmup's lr 0
+        updates, state = tx.update(zeros, state, params)
+        params_after = optax.apply_updates(params, updates)
+    moved = {jax.tree_util.keystr(path): bool(jnp.any(a != b)) for (path, a), b
+             in zip(jax.tree_util.tree_leaves_with_path(params_after), jax.tree.leaves(params))}
+    gains = {k for k in moved if k.endswith("norm']")}
+    assert len(gains) == 10  # attn, mlp, q, k norms of both stacks, the latent norm and the final norm
+    assert not any(moved[k] for k in gains), {k for k in gains if moved[k]}
+    assert all(moved[k] for k in moved if k not in gains)
+    # A checkpoint saved under the old rank rule still restores: the mask picks values, not the state's tree.
+    old_rule = optax.adamw(1e-3, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    new_rule = optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask)
+    assert jax.tree.structure(old_rule.init(params)) == jax.tree.structure(new_rule.init(params))

@@ -23,7 +23,7 @@ from moelab.config import RunConfig
 from moelab.errors import DataError
 from moelab.ladder.bands import PROGRESS_EDGES, checkpoint_scale
 from moelab.ladder.contract import load_prediction, read_sidecar, sidecar_path, size_scale_of
-from moelab.ladder.curve import Run, past_warmup
+from moelab.ladder.curve import Run, fitted_rows
 from moelab.ladder.fit import noise_scale
 from moelab.ladder.forecast import ForecastFinal
 
@@ -34,7 +34,7 @@ OFF_TRACK_AFTER = 2  # consecutive evals outside the 95% band before a run is of
 
 @dataclass(frozen=True)
 class TrackCheck:
-    """One eval against the band. `state`: "unchecked" (outside the band's steps or in warmup),
+    """One eval against the band. `state`: "unchecked" (outside the band's steps, in warmup or the transient),
     "inside", "outside" (fewer than OFF_TRACK_AFTER in a row) or "off_track"."""
 
     step: int
@@ -51,8 +51,9 @@ class OnTrack:
     noise (the band misses 5% of evals by design), two in a row happen by chance ~0.25% of the time
     for independent evals. The incident opens once; the episode closes at the next eval inside the
     band, and a later pair of misses opens a new one. Warmup steps (before the planned LR first
-    reaches its peak) and steps beyond the prediction's range are not checked: the law says nothing
-    there. A non-finite loss counts as outside.
+    reaches its peak), the transient after them (the first `curve.TRANSIENT_FRACTION` of the planned tokens)
+    and steps beyond the prediction's range are not checked: the law is not fitted there, so it says nothing
+    there (`curve.fitted_rows`). A non-finite loss counts as outside.
 
     Beside the fixed band it keeps a live forecast of the final loss (`forecast.ForecastFinal`: the
     prediction as the prior, the checked evals pulling the run's offset); a forecast that leaves the
@@ -83,7 +84,7 @@ class OnTrack:
         self.params, self.last_step = rows[0]["params"], int(max(r["step"] for r in rows))  # the planned run
         self._steps = planned.steps
         self._band = {k: np.array([r[k] for r in rows]) for k in ("loss_pred", "lo95", "hi95")}
-        self._first_step = float(planned.steps[int(np.argmax(past_warmup(planned)))])
+        self._first_step = float(planned.steps[int(np.argmax(fitted_rows(planned)))])
         self._misses = 0
         self.forecast = ForecastFinal(planned.steps, self._band["loss_pred"], self._band["lo95"][-1],
                                       self._band["hi95"][-1], checkpoint_sd)
@@ -122,7 +123,7 @@ class OnTrack:
         """One eval as the training loop sees it: its `on_track` state and forecast, and the incidents it opens."""
         check = self.check(step, eval_mean)
         incidents = [{"rule": check.rule, "module": "loss", "values": check.values}] if check.opens_incident else []
-        if check.state == "unchecked":  # warmup or past the prediction: the law says nothing there
+        if check.state == "unchecked":  # warmup, transient or past the prediction: the law says nothing there
             return {"on_track": check.state}, incidents
         forecast = self.forecast.update(step, eval_mean)
         outside = not self.forecast.inside(forecast)
