@@ -54,7 +54,11 @@ def _transformers_logits(folder, tokens: np.ndarray, dtype: str = "float32") -> 
         return model(torch.from_numpy(tokens.copy())).logits.float().numpy()
 
 
+@pytest.mark.slow
 def test_a_mixtral_style_export_loads_in_transformers_with_moelabs_logits(tmp_path):
+    """`slow` (issue 59: ~9 s, transformers' model built and run): the fast suite keeps what implies it, an
+    import-export-import giving back the tensors bitwise and an imported Mixtral giving transformers' logits
+    (tests/test_hf_import.py)."""
     run = _mixtral_run()
     result = writer.export_run(run, tmp_path / "mixtral")
     assert result["layout"] == "mixtral" and result["hf_class"] == "MixtralForCausalLM"

@@ -31,7 +31,9 @@ def _peaked_params(cfg=CFG):
     return params
 
 
-@pytest.mark.parametrize("qk_norm, rope_fraction, dense_layers", [(None, 1.0, 0), ("full", 0.5, 1)])
+# The plain model's case is `slow` (issue 59: ~5 s); the fast suite runs the cache with every option on.
+@pytest.mark.parametrize("qk_norm, rope_fraction, dense_layers", [pytest.param(None, 1.0, 0, marks=pytest.mark.slow),
+                                                                  ("full", 0.5, 1)])
 def test_greedy_decoding_with_the_cache_equals_full_recompute_token_for_token(qk_norm, rope_fraction, dense_layers):
     """Also with QK-norm over the whole projection (OLMoE's), RoPE on half of each head and a dense first block
     (GLM-4.5's; issue 51): the cache normalizes and rotates as the forward does, each block in its own cache row."""

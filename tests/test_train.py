@@ -176,14 +176,20 @@ def test_weight_decay_shrinks_the_matrices_and_leaves_every_norm_gain_alone():
     from moelab.model import transformer
     from moelab.train.state import decay_mask, make_optimizer
 
+    from dataclasses import replace
+
+    from moelab.presets import scale_model
+
     cfg = override(presets.get("tiny"), {"model.dense_layers": 1, "model.qk_norm": "head", "train.warmup_steps": 1,
                                          "train.weight_decay": 0.1})
-    params = transformer.init(cfg.model, jax.random.key(0))
+    cfg = replace(cfg, model=scale_model(cfg.model, 32, 2))  # one dense block, one MoE block: every kind of gain
+    params = jax.jit(transformer.init, static_argnums=0)(cfg.model, jax.random.key(0))
     tx = make_optimizer(cfg.train)
     state = tx.init(params)
     zeros = jax.tree.map(jnp.zeros_like, params)
+    update = jax.jit(tx.update)  # one compile instead of every leaf's ops dispatched one by one
     for _ in range(2):  # the first step is the warmup's lr 0
-        updates, state = tx.update(zeros, state, params)
+        updates, state = update(zeros, state, params)
         params_after = optax.apply_updates(params, updates)
     moved = {jax.tree_util.keystr(path): bool(jnp.any(a != b)) for (path, a), b
              in zip(jax.tree_util.tree_leaves_with_path(params_after), jax.tree.leaves(params))}
