@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_same_run, run_cli, train_args
 
 from moelab import presets
-from moelab.config import override
+from moelab.config import load_yaml, override
 from moelab.errors import ConfigError
 from moelab.cli.common import resolve_config
 from moelab.train.loop import train
@@ -89,19 +89,22 @@ def test_resume_refuses_model_or_data_changes_and_records_safe_ones(tmp_path):
     assert resume["step"] == 4 and resume["changes"]["train.steps"] == [4, 6]
 
 
-def test_a_finished_run_is_left_alone_and_a_shorter_one_refused(tmp_path):
-    cfg = override(presets.get("tiny"), {"train.steps": 4, "train.eval_batches": 1, "train.log_every": 2})
-    first = train(cfg, tmp_path)
-    written = (tmp_path / "summary.json").read_bytes()
-    with pytest.warns(UserWarning, match="already finished its 4 steps"):
-        again = train(cfg, tmp_path)
-    assert again == first and (tmp_path / "summary.json").read_bytes() == written  # not the untrained eval
-    with pytest.raises(ConfigError, match="checkpoint at step 4, past train.steps=3"):
-        train(override(cfg, {"train.steps": 3}), tmp_path)
+def test_a_finished_run_is_left_alone_and_a_shorter_one_refused(finished_run, tmp_path):
+    """On a copy of the module's finished run, with the config it finished with (its compiles are the fixture's)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    cfg = load_yaml(run / "config.yaml")
+    written = (run / "summary.json").read_bytes()
+    first = json.loads(written)
+    with pytest.warns(UserWarning, match="already finished its 8 steps"):
+        again = train(cfg, run)
+    assert again == first and (run / "summary.json").read_bytes() == written  # not the untrained eval
+    with pytest.raises(ConfigError, match="checkpoint at step 8, past train.steps=7"):
+        train(override(cfg, {"train.steps": 7}), run)
     # Finished, but the summary was lost (a crash after the last checkpoint): it is written again, from
     # the final state, not from the initial eval.
-    (tmp_path / "summary.json").unlink()
-    rebuilt = train(cfg, tmp_path)
+    (run / "summary.json").unlink()
+    rebuilt = train(cfg, run)
     assert rebuilt["eval"] == first["eval"] and rebuilt["loss"] == first["loss"]
 
 

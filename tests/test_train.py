@@ -201,3 +201,41 @@ def test_weight_decay_shrinks_the_matrices_and_leaves_every_norm_gain_alone():
     old_rule = optax.adamw(1e-3, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
     new_rule = optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask)
     assert jax.tree.structure(old_rule.init(params)) == jax.tree.structure(new_rule.init(params))
+
+
+def test_bfloat16_moments_are_float32_moments_rounded_and_the_update_computed_in_float32():
+    """`train.moment_dtype: bfloat16` (the frontier preset's): Adam's moments are stored rounded, the update is
+    computed in float32. Step 1 starts from zero moments: its update is float32's exactly and its stored first
+    moment float32's rounded (2^-8). Step 2 reads the rounded moments: within a few bfloat16 roundings of
+    m / sqrt(v), 2^-6 of the update. (tests/test_sharded_state.py runs it in a real step, `slow`.)"""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moelab import presets
+    from moelab.config import override
+    from moelab.train.state import make_optimizer
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(keys[0], (16, 8)), "gain": jnp.ones((8,))}
+    grads = [{"w": jax.random.normal(k, (16, 8)), "gain": jax.random.normal(k, (8,))} for k in keys[1:3]]
+    tiny = presets.get("tiny")
+    narrow, wide = (make_optimizer(override(tiny, {"train.moment_dtype": dtype, "train.warmup_steps": 0}).train)
+                    for dtype in ("bfloat16", "float32"))
+    states = {"narrow": narrow.init(params), "wide": wide.init(params)}
+    updates = {}
+    for i, g in enumerate(grads):
+        updates[i] = {}
+        for name, tx in (("narrow", narrow), ("wide", wide)):
+            updates[i][name], states[name] = jax.jit(tx.update)(g, states[name], params)
+        if i == 0:
+            floats = [a for a in jax.tree.leaves(states["narrow"]) if jnp.issubdtype(a.dtype, jnp.floating)]
+            assert floats and {a.dtype for a in floats} == {jnp.dtype(jnp.bfloat16)}
+            for a, b in zip(jax.tree.leaves(updates[0]["narrow"]), jax.tree.leaves(updates[0]["wide"])):
+                assert np.any(b != 0)  # no warmup: the first step moves every parameter
+                np.testing.assert_array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(states["narrow"]), jax.tree.leaves(states["wide"])):
+                if jnp.issubdtype(a.dtype, jnp.floating):
+                    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2**-8, atol=1e-30)
+    for a, b in zip(jax.tree.leaves(updates[1]["narrow"]), jax.tree.leaves(updates[1]["wide"])):
+        assert np.max(np.abs(a - b)) <= 2**-6 * np.max(np.abs(b)) + 1e-12
