@@ -11,6 +11,13 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
+# Most of the suite's time is XLA compiling tiny programs; LLVM's optimization passes are most of each compile
+# and buy nothing at these sizes. Without them a tiny train run takes 16% less (measured for issue 59). XLA's own
+# HLO passes (fusion, sharding, collectives) are unchanged, and XLA compiles CPU code without fast-math, so no
+# floating-point operation is reordered either way. `moelab.train.hlo` compiles the planner's check this way too.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} --xla_backend_optimization_level=0"
+
 # scipy's L-BFGS-B (the ladder fits) calls OpenBLAS for tiny products; its thread pool only adds
 # contention on a 2-core CI machine (measured: ~3 ms vs ~0.1 ms per call under load).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -33,18 +40,22 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import pytest  # noqa: E402  (after the environment above, which must precede any JAX import)
 
 
-# The heaviest files first, as measured by benchmarks/suite_time.py (issue 27): the two workers take one file
-# at a time in this order (`--no-loadscope-reorder`), so the long files start early and the short ones fill
-# in at the end instead of one worker finishing a long file alone. test_readme.py leads (its `slow` quick-start
-# run takes ~3 minutes; its fast checks are seconds), then three files that are all `slow` (they lead
-# `make test-slow`); then `make test`'s. Unlisted files keep pytest's order after these; a name here that no
+# The heaviest files first, as measured by benchmarks/suite_time.py (issue 27; re-measured for issue 59, when
+# test_hf_import, test_fp8 and test_memory_plan had grown past 19 s unlisted and ran last): the two workers take
+# one file at a time in this order (`--no-loadscope-reorder`), so the long files start early and the short ones
+# fill in at the end instead of one worker finishing a long file alone. test_readme.py leads (its `slow`
+# quick-start run takes ~3 minutes; its fast checks are seconds), then three files that are all `slow` (they lead
+# `make test-slow`); then `make test`'s, longest first. Unlisted files keep pytest's order after these; a name here that no
 # longer exists only costs its place.
 HEAVY_FIRST = ("test_readme.py", "test_multiprocess.py", "test_ray_cluster.py", "test_ladder_forecast.py",
-               "test_sharded_state.py", "test_dispatch.py", "test_router_balance.py", "test_checkpoint.py", "test_faults.py", "test_parallel.py",
-               "test_bundle.py", "test_site.py", "test_generate.py", "test_monitor.py", "test_model.py", "test_report.py",
-               "test_export.py", "test_arithmetic_task.py", "test_train.py", "test_object_storage.py",
-               "test_executor.py", "test_multihost_writes.py", "test_tracking.py", "test_gpu_suite.py",
-               "test_grouped_matmul.py", "test_ladder_fit.py", "test_evals.py", "test_cli.py")
+               "test_dispatch.py", "test_router_balance.py", "test_export.py", "test_generate.py",
+               "test_sharded_state.py", "test_parallel.py", "test_tracking.py", "test_multihost_writes.py",
+               "test_faults.py", "test_checkpoint.py", "test_hf_import.py", "test_fp8.py", "test_model.py",
+               "test_bundle.py", "test_site.py", "test_monitor.py", "test_memory_plan.py", "test_ladder_fit.py",
+               "test_gpu_suite.py", "test_grouped_matmul.py", "test_train.py", "test_executor.py", "test_config.py",
+               "test_report.py", "test_object_storage.py", "test_arithmetic_task.py", "test_ladder_task.py",
+               "test_evals.py", "test_data.py", "test_registry.py", "test_bad_inputs.py", "test_ladder_fix.py",
+               "test_ledger.py", "test_ladder_checks.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
