@@ -12,6 +12,11 @@ README says so) and scored on its target rows past 10% of each run's tokens (the
 convention). Also scored, beside them: `cpu-schedules-tiny`, the committed CPU schedule sweep
 (`tests/data/schedules-tiny.csv`), each schedule predicted from the other four.
 
+With `--forecast` every development case also scores the live forecast of `moelab train --predicted` (issue 60):
+each target's evals up to 10%, 25%, 50% and 75% of its steps are replayed through the on-track watcher built from
+the case's PRED.csv and sidecar (`on_track.load_on_track`), and its last `forecast/final` and 95% band are scored
+against the run's observed final loss: mean and largest |error|, and how often the band holds the final.
+
 A method is LAW:BAND (`predict.LAWS`, `predict.BANDS`). The rule that picks the default among methods
 was fixed before any was scored (docs/scaling-ladder.md, "Real public curves"): the lowest mean over
 the four development cases of the mean relative 95% interval score.
@@ -22,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import platform
 import sys
 import tempfile
@@ -34,6 +38,7 @@ import numpy as np
 from moelab.errors import ConfigError, DataError
 from moelab.ladder import DEFAULT_BAND, DEFAULT_LAW, NUM_BOOTSTRAP
 from moelab.ladder.contract import load_prediction, read_curves
+from moelab.ladder.on_track import load_on_track
 from moelab.ladder.predict import BANDS, LAWS, fit_curves
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +47,7 @@ CPU_SWEEP = REPO / "tests" / "data" / "schedules-tiny.csv"
 DEV_CASES = ("sp-size-210m", "sp-size-360m", "s124-longer", "pythia-size-410m")  # the selection rule's cases
 SAME_DATA_ORDER = {"s124-longer"}  # one seed and data order (the cases' README: "fit with --same-data-order")
 ALPHA = 0.05  # the 95% band's interval score
+FORECAST_FRACTIONS = (0.10, 0.25, 0.50, 0.75)  # of a target's steps seen before its final loss is forecast
 
 
 def interval_score(lo: np.ndarray, hi: np.ndarray, y: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
@@ -80,9 +86,40 @@ def score_case(pred_path: Path, truth_path: Path) -> dict:
     }
 
 
+def score_forecast(pred_path: Path, truth_path: Path, fractions=FORECAST_FRACTIONS) -> dict:
+    """The live forecast of each target's final loss after `fractions` of its steps, against the observed final.
+
+    As `moelab train --predicted` forecasts: the watcher of PRED.csv's run (with the sidecar's noise) sees each
+    eval up to the fraction, in order; its last `forecast/final`, `forecast/lo95` and `forecast/hi95` are scored
+    (before its first checked eval, the prediction's own final and band)."""
+    truth = {run.name: run for run in read_curves(truth_path)}
+    scored = {}
+    for fraction in fractions:
+        errors, inside, widths = {}, [], []
+        for name, run in truth.items():
+            track = load_on_track(pred_path, run=name)
+            last = {"forecast/final": track.forecast.final_pred, "forecast/lo95": track.forecast.lo95,
+                    "forecast/hi95": track.forecast.hi95}
+            for step, loss in zip(run.steps, run.loss):
+                if step > fraction * run.steps[-1]:
+                    break
+                fields, _ = track.watch(int(step), float(loss))
+                last = {k: fields[k] for k in last} if "forecast/final" in fields else last
+            final = float(run.loss[-1])
+            errors[name] = last["forecast/final"] / final - 1
+            inside.append(last["forecast/lo95"] <= final <= last["forecast/hi95"])
+            widths.append((last["forecast/hi95"] - last["forecast/lo95"]) / 2 / final)
+        magnitudes = np.abs(list(errors.values()))
+        scored[f"{fraction:g}"] = {"final_error_mean_abs": float(magnitudes.mean()),
+                                   "final_error_max_abs": float(magnitudes.max()),
+                                   "coverage95": float(np.mean(inside)), "half_width95_median": float(np.median(widths)),
+                                   "final_errors": errors}
+    return scored
+
+
 def run_case(curves: Path, target: Path, truth: Path, law: str, band: str, same_data_order: bool,
-             num_bootstrap: int, work: Path) -> dict:
-    """Fit one case as `moelab ladder fit` does, time it, and score it."""
+             num_bootstrap: int, work: Path, forecast: bool = False) -> dict:
+    """Fit one case as `moelab ladder fit` does, time it, and score it (and its live forecast, with `forecast`)."""
     out = work / "pred.csv"
     start = time.perf_counter()
     summary = fit_curves(curves, target, out, num_bootstrap=num_bootstrap, same_data_order=same_data_order,
@@ -91,7 +128,8 @@ def run_case(curves: Path, target: Path, truth: Path, law: str, band: str, same_
     check = summary["self_check"]
     return {**score_case(out, truth), "self_check": check.get("verdict", "skipped"),
             "self_check_final_error": check.get("final_error"), "fit_seconds": seconds,
-            "law": summary["law"], "notes": summary["notes"]}
+            "law": summary["law"], "notes": summary["notes"],
+            **({"forecast": score_forecast(out, truth)} if forecast else {})}
 
 
 def _write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
@@ -130,7 +168,8 @@ def run_cpu_sweep(law: str, band: str, num_bootstrap: int, work: Path) -> dict:
             "fit_seconds": max(seconds), "law": parts[0]["law"], "notes": []}
 
 
-def run_method(cases_dir: Path, law: str, band: str, num_bootstrap: int, cases: list[str], log) -> dict:
+def run_method(cases_dir: Path, law: str, band: str, num_bootstrap: int, cases: list[str], log,
+               forecast: bool = False) -> dict:
     results = {}
     for name in cases:
         log(f"{law}:{band} {name} ...")
@@ -140,11 +179,14 @@ def run_method(cases_dir: Path, law: str, band: str, num_bootstrap: int, cases: 
             else:
                 case = cases_dir / name
                 results[name] = run_case(case / "curves.csv", case / "target.csv", case / "truth.csv", law, band,
-                                         name in SAME_DATA_ORDER, num_bootstrap, Path(tmp))
+                                         name in SAME_DATA_ORDER, num_bootstrap, Path(tmp), forecast)
         r = results[name]
         log(f"  MAPE {r['mape']:.2%}  |final| {r['final_error_mean_abs']:.2%} (max {r['final_error_max_abs']:.2%})  "
             f"cov80 {r['coverage80']:.0%} cov95 {r['coverage95']:.0%}  half-width {r['half_width95_median']:.2%}  "
             f"IS {r['interval_score95']:.4f}  self-check {r['self_check']}  {r['fit_seconds']:.0f} s")
+        for fraction, f in r.get("forecast", {}).items():
+            log(f"  forecast after {float(fraction):.0%}: |final| {f['final_error_mean_abs']:.2%} "
+                f"(max {f['final_error_max_abs']:.2%})  cov95 {f['coverage95']:.0%}  half-width {f['half_width95_median']:.2%}")
     dev = [results[c]["interval_score95"] for c in DEV_CASES if c in results]
     return {"law": law, "band": band, "rule_score": float(np.mean(dev)) if len(dev) == len(DEV_CASES) else None,
             "cases": results}
@@ -167,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"LAW:BAND to fit and score (repeatable); default {DEFAULT_LAW}:{DEFAULT_BAND}")
     parser.add_argument("--case", action="append", help="score only this case (repeatable); default: every case")
     parser.add_argument("--bootstrap", type=int, default=NUM_BOOTSTRAP, help="bootstrap refits per fit")
+    parser.add_argument("--forecast", action="store_true",
+                        help="also score the live forecast after 10/25/50/75%% of each target's steps")
     parser.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     parser.add_argument("--out", type=Path, help="also write the JSON object to this file")
     args = parser.parse_args(argv)
@@ -189,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text, file=sys.stderr, flush=True)
 
     try:
-        results = {f"{law}:{band}": run_method(args.cases_dir, law, band, args.bootstrap, cases, log)
+        results = {f"{law}:{band}": run_method(args.cases_dir, law, band, args.bootstrap, cases, log, args.forecast)
                    for law, band in methods}
     except (ConfigError, DataError) as err:
         print(f"Error: {err}", file=sys.stderr)

@@ -581,6 +581,18 @@ def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_t
     prior = summary["fit"]["alpha_prior"]
     assert prior["weight"] > 0 and prior["z"] == pytest.approx(fit.alpha_prior_z(summary["params"]["alpha"]))
     assert f"the fitted alpha sits {prior['z']:+.2f} sd from it" in " ".join(out.split())
+    # A prediction of two runs: the watcher of the one named, its noise at that run's size.
+    lines = (tmp_path / "PRED.csv").read_text().splitlines()
+    other = [line.replace(lines[1].split(",")[0], "other", 1).replace(",300000000.0,", ",600000000.0,", 1)
+             for line in lines[1:]]
+    (tmp_path / "TWO.csv").write_text("\n".join(lines + other) + "\n")
+    (tmp_path / "TWO.json").write_text((tmp_path / "PRED.json").read_text())
+    with pytest.raises(DataError, match="pass run=<name>"):
+        load_on_track(tmp_path / "TWO.csv")
+    larger = load_on_track(tmp_path / "TWO.csv", run="other")
+    assert larger.run == "other" and larger.params == pytest.approx(6e8)
+    assert larger.forecast.eval_sd * larger.forecast.final_pred == pytest.approx(
+        at_target * 2.0 ** -noise["size_exponent"], rel=1e-9)
     sidecar = json.loads((tmp_path / "PRED.json").read_text())
     sidecar["noise"]["ref_params"] = 0
     (tmp_path / "PRED.json").write_text(json.dumps(sidecar))

@@ -134,9 +134,12 @@ class OnTrack:
         return {"on_track": check.state, **forecast}, incidents
 
 
-def load_on_track(path: str | Path) -> OnTrack:
-    """The on-track watcher of PRED.csv's run (its only one), with the fit's noise from its sidecar if present."""
+def load_on_track(path: str | Path, run: str | None = None) -> OnTrack:
+    """The on-track watcher of PRED.csv's run (its only one, or `run` of several), with the fit's noise from its
+    sidecar if present."""
     summary, checkpoint_sd, rows = read_sidecar(path), None, load_prediction(path)
+    if run is not None:
+        rows = [r for r in rows if r["run"] == run] or rows  # an unknown name: OnTrack names the runs it holds
     if summary is not None:
         try:
             noise = summary["noise"]
@@ -153,6 +156,6 @@ def load_on_track(path: str | Path) -> OnTrack:
             raise DataError(f"{sidecar_path(path)} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it "
                             "or refit to rewrite it.") from None
     try:
-        return OnTrack(rows, source=str(path), checkpoint_sd=checkpoint_sd)
+        return OnTrack(rows, run=run, source=str(path), checkpoint_sd=checkpoint_sd)
     except DataError as err:  # the rows' own checks name the run and step; the reader names the file
         raise DataError(f"{path}: {err}") from None
