@@ -26,7 +26,7 @@ from rich.text import Text
 from moelab import accounting, presets
 from moelab.cli.common import (ConfigArg, DataOpt, JsonOpt, PresetOpt, SetOpt, err_console, mesh_fields, out_console,
                                resolve_config)
-from moelab.config import RunConfig, load_yaml, parse_overrides, to_dict
+from moelab.config import RunConfig, load_yaml, to_dict
 from moelab.errors import ConfigError
 
 if TYPE_CHECKING:
