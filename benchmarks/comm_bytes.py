@@ -74,7 +74,8 @@ def expected_bytes(cfg: RunConfig) -> int:
     m, moe = cfg.model, cfg.model.moe
     X = cfg.mesh.expert
     tokens_per_device = cfg.train.batch_size * m.seq_len // cfg.mesh.num_devices
-    P = exchange.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves, moe.resolved_transport_capacity_factor)
+    P = exchange.pool_size(tokens_per_device, moe.num_experts_per_token, X, moe.num_experts // X, moe.num_waves,
+                           moe.resolved_transport_capacity_factor)
     row_bytes = 2 if cfg.train.compute_dtype == "bfloat16" else 4
     return m.num_layers * moe.num_waves * (4 * P * m.expert_input_dim * row_bytes + P * 4) * (X - 1)
 

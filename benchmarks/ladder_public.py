@@ -112,7 +112,8 @@ def score_forecast(pred_path: Path, truth_path: Path, fractions=FORECAST_FRACTIO
         magnitudes = np.abs(list(errors.values()))
         scored[f"{fraction:g}"] = {"final_error_mean_abs": float(magnitudes.mean()),
                                    "final_error_max_abs": float(magnitudes.max()),
-                                   "coverage95": float(np.mean(inside)), "half_width95_median": float(np.median(widths)),
+                                   "coverage95": float(np.mean(inside)),
+                                   "half_width95_median": float(np.median(widths)),
                                    "final_errors": errors}
     return scored
 
@@ -186,7 +187,8 @@ def run_method(cases_dir: Path, law: str, band: str, num_bootstrap: int, cases: 
             f"IS {r['interval_score95']:.4f}  self-check {r['self_check']}  {r['fit_seconds']:.0f} s")
         for fraction, f in r.get("forecast", {}).items():
             log(f"  forecast after {float(fraction):.0%}: |final| {f['final_error_mean_abs']:.2%} "
-                f"(max {f['final_error_max_abs']:.2%})  cov95 {f['coverage95']:.0%}  half-width {f['half_width95_median']:.2%}")
+                f"(max {f['final_error_max_abs']:.2%})  cov95 {f['coverage95']:.0%}  "
+                f"half-width {f['half_width95_median']:.2%}")
     dev = [results[c]["interval_score95"] for c in DEV_CASES if c in results]
     return {"law": law, "band": band, "rule_score": float(np.mean(dev)) if len(dev) == len(DEV_CASES) else None,
             "cases": results}

@@ -252,8 +252,8 @@ class ModelConfig:
     remat: str = "none"  # none: save everything; dots: save matmul outputs, recompute the rest; full: save inputs
     qk_norm: str | None = None
     """RMSNorm of the queries and keys before RoPE, with learned gains: None (off), "head" (over each head's
-    resolved_head_dim, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
-    projection, num_heads x resolved_head_dim for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
+    head_dim, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
+    projection, num_heads x head_dim for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
     dense_layers: int = 0
     """How many blocks, counted from the first, run one dense SwiGLU MLP of width `dense_ffn_dim` instead of
     the MoE block (DeepSeek-V3's and GLM-4.5's `first_k_dense_replace`: the first layers' tokens are not yet
@@ -292,7 +292,8 @@ class ModelConfig:
         _check(self.rope_theta > 0, p + "rope_theta", self.rope_theta, "must be > 0")
         _check(0 < self.rope_fraction <= 1 and int(self.resolved_head_dim * self.rope_fraction) % 2 == 0
                and int(self.resolved_head_dim * self.rope_fraction) > 0, p + "rope_fraction", self.rope_fraction,
-               f"must be in (0, 1] and rotate an even, non-zero number of the head's {self.resolved_head_dim} dimensions")
+               f"must be in (0, 1] and rotate an even, non-zero number of the head's {self.resolved_head_dim} "
+               "dimensions")
         _check(self.z_loss_weight >= 0, p + "z_loss_weight", self.z_loss_weight, "must be >= 0")
         _check(self.embed_std > 0, p + "embed_std", self.embed_std, "must be > 0")
         _one_of(p + "remat", self.remat, REMAT)

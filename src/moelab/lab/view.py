@@ -59,8 +59,8 @@ DROP_KEYS = ("drop_fraction", "drop_fraction_at_sender", "drop_fraction_at_recei
 def read_moe_config(out: Path) -> MoEConfig | None:
     """The run's `model.moe` as its config.yaml holds it, read as a config is (`config.read_yaml`, `from_dict`);
     None when the file is absent, unreadable or holds a section MoEConfig refuses (a page then says it has no
-    settings to show). Only the section is built, from the keys this moelab knows: a run an older moelab wrote still
-shows its routing."""
+    settings to show). Only the section is built, from the keys this moelab knows: a run an older moelab wrote
+    still shows its routing."""
     try:
         data = read_yaml(out / CONFIG, "config", "the run directory has no config")
         moe = ((data or {}).get("model") or {}).get("moe") if isinstance(data, dict) else None
@@ -80,7 +80,8 @@ def router_settings(moe: MoEConfig) -> list[tuple[str, str, object]]:
             ("capacity_factor", "capacity factor", moe.capacity_factor if moe.dispatch in ("capacity", "ep")
              else f"none ({moe.dispatch} drops nothing)")]
     if moe.dispatch == "ep":
-        rows += [("transport_capacity_factor", "transport capacity factor (sender pools)", moe.resolved_transport_capacity_factor),
+        rows += [("transport_capacity_factor", "transport capacity factor (sender pools)",
+                  moe.resolved_transport_capacity_factor),
                  ("num_waves", "all-to-all waves", moe.num_waves)]
     rows.append(("balancing", "balancing rule", moe.balancing))
     for knob, value in moe.balancer_settings.items():

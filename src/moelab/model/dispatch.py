@@ -37,8 +37,8 @@ from moelab.model import grouped_matmul
 from moelab.model.rows import take_rows
 from moelab.model.router import Routing, expert_load
 
-__all__ = ["BACKENDS", "EXPERT_MATMUL", "sort_by_group", "combine", "dense", "capacity", "dropless", "grouped", "expert_capacity", "grouped_swiglu",
-           "swiglu_buffers", "check_fp8"]
+__all__ = ["BACKENDS", "EXPERT_MATMUL", "sort_by_group", "combine", "dense", "capacity", "dropless", "grouped",
+           "expert_capacity", "grouped_swiglu", "swiglu_buffers", "check_fp8"]
 
 BACKENDS = ("dense", "capacity", "dropless", "grouped")
 

@@ -5,7 +5,7 @@
 The router always reads the full-width x (architecture §3). Under LatentMoE (`cfg.moe.latent_dim` set)
 only the routed path runs at the latent width: rows are projected down and RMS-normalized before
 dispatch, and the combined output is projected back up. Shared experts are dense SwiGLU MLPs on every
-token; the N of them are stored fused as one SwiGLU of width N * resolved_shared_expert_dim, which is the same
+token; the N of them are stored fused as one SwiGLU of width N * shared_expert_dim, which is the same
 function with the same parameter count (the hidden units of the N MLPs are simply concatenated).
 The routed experts run as one frozen `Dispatch` says, built once for its purpose by `build_moe`: the
 backend and its capacity (training drops what overflows; decoding drops nothing), FP8, and, under a mesh,
@@ -17,7 +17,6 @@ per-expert histogram and the load counts. Nothing of shape [tokens, experts] lea
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 
@@ -80,10 +79,11 @@ class Dispatch:
             E, k = experts["w_gate"].shape[0], routing.expert_idx.shape[1]
             factor = E / k if self.capacity_factor is None else self.capacity_factor  # E / k: C = T
             out, stats = backends.capacity(h, routing, experts, factor, fp8=self.fp8)
+        elif self.backend == "grouped":
+            out, stats = backends.grouped(h, routing, experts, fp8=self.fp8, on_gpu=self.tiled_for_gpu)
         else:
-            out, stats = {"dense": backends.dense, "dropless": backends.dropless,
-                          "grouped": functools.partial(backends.grouped, on_gpu=self.tiled_for_gpu),
-                          }[self.backend](h, routing, experts, fp8=self.fp8)
+            out, stats = {"dense": backends.dense, "dropless": backends.dropless}[self.backend](h, routing, experts,
+                                                                                              fp8=self.fp8)
         if self.token_axes:  # every stat is a count: the step's is the sum over the devices
             stats = {name: jax.lax.psum(value, self.token_axes) for name, value in stats.items()}
         return out, stats
