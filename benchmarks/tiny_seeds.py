@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from moelab import presets
 from moelab.config import RunConfig
+from moelab.errors import ConfigError, DataError
 from moelab.ladder.rungs import load_recipe
 from moelab.ladder.run import plan_ladder
 from moelab.train.loop import train
@@ -54,8 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.seeds < 1:
         parser.error("--steps and --seeds must be at least 1")
+    try:
+        planned = configs(args)  # a bad recipe or preset stops here, before anything trains
+    except (ConfigError, DataError) as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run(cfg, Path(tmp)) for cfg in configs(args)]
+        runs = [run(cfg, Path(tmp)) for cfg in planned]
     evals = [r["eval_mean"] for r in runs]
     result = {"benchmark": "tiny_seeds", "preset": None if args.recipe else args.preset,
               "recipe": str(args.recipe) if args.recipe else None, "steps": None if args.recipe else args.steps,
