@@ -12,10 +12,14 @@ README says so) and scored on its target rows past 10% of each run's tokens (the
 convention). Also scored, beside them: `cpu-schedules-tiny`, the committed CPU schedule sweep
 (`tests/data/schedules-tiny.csv`), each schedule predicted from the other four.
 
-With `--forecast` every development case also scores the live forecast of `moelab train --predicted` (issue 60):
-each target's evals up to 10%, 25%, 50% and 75% of its steps are replayed through the on-track watcher built from
-the case's PRED.csv and sidecar (`on_track.load_on_track`), and its last `forecast/final` and 95% band are scored
-against the run's observed final loss: mean and largest |error|, and how often the band holds the final.
+With `--forecast` every development case also scores the live forecast of `moelab train --predicted` (issue 60),
+by each forecast method (`drift.METHODS`): each target's evals up to 10%, 25%, 50% and 75% of its steps are
+replayed through the on-track watcher built from the case's PRED.csv and sidecar (`on_track.load_on_track`), and
+its last `forecast/final` and 95% band are scored against the run's observed final loss: mean and largest |error|,
+how often the band holds the final, and the relative 95% interval score. The method the live forecast uses
+(`drift.DEFAULT_FORECAST`) was chosen by the same rule, fixed before scoring: the lowest mean over the four
+development cases of the forecast's mean interval score over the fractions, ties within 1% to the simpler
+(the order of `drift.METHODS`).
 
 A method is LAW:BAND (`predict.LAWS`, `predict.BANDS`). The rule that picks the default among methods
 was fixed before any was scored (docs/scaling-ladder.md, "Real public curves"): the lowest mean over
@@ -38,6 +42,8 @@ import numpy as np
 from moelab.errors import ConfigError, DataError
 from moelab.ladder import DEFAULT_BAND, DEFAULT_LAW, NUM_BOOTSTRAP
 from moelab.ladder.contract import load_prediction, read_curves
+from moelab.ladder.drift import DEFAULT_FORECAST
+from moelab.ladder.drift import METHODS as FORECASTS
 from moelab.ladder.on_track import load_on_track
 from moelab.ladder.predict import BANDS, LAWS, fit_curves
 
@@ -86,18 +92,20 @@ def score_case(pred_path: Path, truth_path: Path) -> dict:
     }
 
 
-def score_forecast(pred_path: Path, truth_path: Path, fractions=FORECAST_FRACTIONS) -> dict:
-    """The live forecast of each target's final loss after `fractions` of its steps, against the observed final.
+def score_forecast(pred_path: Path, truth_path: Path, method: str, fractions=FORECAST_FRACTIONS) -> dict:
+    """The live forecast (`method`, of `drift.METHODS`) of each target's final loss after `fractions` of its steps,
+    against the observed final.
 
-    As `moelab train --predicted` forecasts: the watcher of PRED.csv's run (with the sidecar's noise) sees each
-    eval up to the fraction, in order; its last `forecast/final`, `forecast/lo95` and `forecast/hi95` are scored
-    (before its first checked eval, the prediction's own final and band)."""
+    As `moelab train --predicted` forecasts: the watcher of PRED.csv's run (with the sidecar's noise and drift
+    table) sees each eval up to the fraction, in order; its last `forecast/final`, `forecast/lo95` and
+    `forecast/hi95` are scored (before its first checked eval, the prediction's own final and band). The rule's
+    score: the mean over the fractions of the mean relative 95% interval score of the finals."""
     truth = {run.name: run for run in read_curves(truth_path)}
     scored = {}
     for fraction in fractions:
-        errors, inside, widths = {}, [], []
+        errors, inside, widths, scores = {}, [], [], []
         for name, run in truth.items():
-            track = load_on_track(pred_path, run=name)
+            track = load_on_track(pred_path, run=name, forecast=method)
             last = {"forecast/final": track.forecast.final_pred, "forecast/lo95": track.forecast.lo95,
                     "forecast/hi95": track.forecast.hi95}
             for step, loss in zip(run.steps, run.loss):
@@ -109,13 +117,21 @@ def score_forecast(pred_path: Path, truth_path: Path, fractions=FORECAST_FRACTIO
             errors[name] = last["forecast/final"] / final - 1
             inside.append(last["forecast/lo95"] <= final <= last["forecast/hi95"])
             widths.append((last["forecast/hi95"] - last["forecast/lo95"]) / 2 / final)
+            scores.append(float(interval_score(last["forecast/lo95"], last["forecast/hi95"], final)))
         magnitudes = np.abs(list(errors.values()))
         scored[f"{fraction:g}"] = {"final_error_mean_abs": float(magnitudes.mean()),
                                    "final_error_max_abs": float(magnitudes.max()),
                                    "coverage95": float(np.mean(inside)),
                                    "half_width95_median": float(np.median(widths)),
+                                   "interval_score95": float(np.mean(scores)),
                                    "final_errors": errors}
-    return scored
+    return {"rule_score": float(np.mean([s["interval_score95"] for s in scored.values()])), "fractions": scored}
+
+
+def best_forecast(scores: dict[str, float], tie: float = 0.01) -> str:
+    """The forecast method with the lowest rule score, or the simplest (first in `drift.METHODS`) within `tie` of it."""
+    best = min(scores.values())
+    return next(m for m in FORECASTS if m in scores and scores[m] <= best * (1 + tie))
 
 
 def run_case(curves: Path, target: Path, truth: Path, law: str, band: str, same_data_order: bool,
@@ -130,7 +146,7 @@ def run_case(curves: Path, target: Path, truth: Path, law: str, band: str, same_
     return {**score_case(out, truth), "self_check": check.get("verdict", "skipped"),
             "self_check_final_error": check.get("final_error"), "fit_seconds": seconds,
             "law": summary["law"], "notes": summary["notes"],
-            **({"forecast": score_forecast(out, truth)} if forecast else {})}
+            **({"forecast": {m: score_forecast(out, truth, m) for m in FORECASTS}} if forecast else {})}
 
 
 def _write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
@@ -185,13 +201,19 @@ def run_method(cases_dir: Path, law: str, band: str, num_bootstrap: int, cases: 
         log(f"  MAPE {r['mape']:.2%}  |final| {r['final_error_mean_abs']:.2%} (max {r['final_error_max_abs']:.2%})  "
             f"cov80 {r['coverage80']:.0%} cov95 {r['coverage95']:.0%}  half-width {r['half_width95_median']:.2%}  "
             f"IS {r['interval_score95']:.4f}  self-check {r['self_check']}  {r['fit_seconds']:.0f} s")
-        for fraction, f in r.get("forecast", {}).items():
-            log(f"  forecast after {float(fraction):.0%}: |final| {f['final_error_mean_abs']:.2%} "
-                f"(max {f['final_error_max_abs']:.2%})  cov95 {f['coverage95']:.0%}  "
-                f"half-width {f['half_width95_median']:.2%}")
+        for method, scored in r.get("forecast", {}).items():
+            log(f"  forecast {method}: rule score {scored['rule_score']:.4f}")
+            for fraction, f in scored["fractions"].items():
+                log(f"    after {float(fraction):.0%}: |final| {f['final_error_mean_abs']:.2%} "
+                    f"(max {f['final_error_max_abs']:.2%})  cov95 {f['coverage95']:.0%}  "
+                    f"half-width {f['half_width95_median']:.2%}  IS {f['interval_score95']:.4f}")
     dev = [results[c]["interval_score95"] for c in DEV_CASES if c in results]
-    return {"law": law, "band": band, "rule_score": float(np.mean(dev)) if len(dev) == len(DEV_CASES) else None,
-            "cases": results}
+    complete = len(dev) == len(DEV_CASES)
+    out = {"law": law, "band": band, "rule_score": float(np.mean(dev)) if complete else None, "cases": results}
+    if forecast and complete:
+        out["forecast_rule_scores"] = {m: float(np.mean([results[c]["forecast"][m]["rule_score"] for c in DEV_CASES]))
+                                       for m in FORECASTS}
+    return out
 
 
 def _method(text: str) -> tuple[str, str]:
@@ -247,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
               "rule": "lowest mean over the dev cases of the mean relative 95% interval score (docs/scaling-ladder.md)",
               "dev_cases": list(DEV_CASES), "default": f"{DEFAULT_LAW}:{DEFAULT_BAND}",
               "best_by_rule": min(scored, key=scored.get) if scored else None, "methods": results}
+    if args.forecast:
+        report["default_forecast"] = DEFAULT_FORECAST
+        report["forecast_best_by_rule"] = {name: best_forecast(r["forecast_rule_scores"])
+                                           for name, r in results.items() if "forecast_rule_scores" in r}
     text = json.dumps(report, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -122,6 +122,13 @@ def test_the_benchmark_scores_a_case_with_the_interval_score_of_gneiting_and_raf
     assert bench.interval_score(lo, hi, y) == pytest.approx([0.1, (0.1 + 40 * 0.1) / 2, (0.5 + 40 * 0.5) / 2])
 
 
+def test_the_benchmark_picks_the_forecast_with_the_lowest_score_and_the_simpler_within_one_percent():
+    best = load_benchmark("ladder_public").best_forecast
+    assert best({"offset": 0.258, "analog": 0.0402, "analog-size": 0.0400}) == "analog"  # 0.5% apart: the simpler
+    assert best({"offset": 0.258, "analog": 0.0420, "analog-size": 0.0400}) == "analog-size"
+    assert best({"offset": 0.0400, "analog": 0.0399, "analog-size": 0.05}) == "offset"
+
+
 def test_seeds_of_one_held_out_configuration_are_scored_as_their_mean_so_their_offsets_count_once():
     """Five seeds of the largest size, offset by +-2% of the loss in turn: scored one by one their offsets set
     q95; as their mean (what the band's run_sd does not already hold) the misfit is the law's alone."""

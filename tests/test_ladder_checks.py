@@ -17,6 +17,7 @@ from moelab.ladder.bands import bootstrap_curve_law, predict_with_bands, score, 
 from moelab.ladder.contract import read_curves
 from moelab.ladder.curve import CurveLaw, Run, curve_loss, fitted_rows
 from moelab.ladder.fit import fit_curve_law
+from moelab.ladder.drift import FRACTIONS, Drift
 from moelab.ladder.forecast import HALF_LIFE, ForecastFinal
 from moelab.ladder.on_track import OnTrack
 from moelab.ladder.predict import fit_curves, self_check
@@ -264,6 +265,22 @@ def test_forecast_weighs_each_eval_by_the_checkpoint_sd_at_its_step():
     early = [f2.update(100, np.interp(100, [0, 400], [3.0, 2.0]) * 1.04)["forecast/final"]
              for f2 in (ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=[0.06, 0.02]), flat)]
     assert early[0] < early[1]  # the noisier early eval pulls the forecast less
+
+
+def test_forecast_adds_the_drift_expected_from_the_evals_fraction_and_its_sd_to_the_band():
+    """Issue 60: the offset still to come (the drift table's value at step / last step) moves the forecast, and its
+    sd joins the posterior's in quadrature; before any checked eval there is no offset to move."""
+    drift = Drift(FRACTIONS, tuple(0.1 * f for f in FRACTIONS), tuple(0.01 for _ in FRACTIONS), ("analog",))
+    plain = ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02)
+    drifting = ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, checkpoint_sd=0.02, drift=drift)
+    for step in (100, 200):
+        base, out = (f.update(step, np.interp(step, [0, 400], [3.0, 2.0]) * 1.04) for f in (plain, drifting))
+    offset = base["forecast/final"] / 2.0 - 1
+    half = (base["forecast/hi95"] - base["forecast/final"]) / 2.0
+    assert out["forecast/final"] == pytest.approx(2.0 * (1 + offset + 0.05), rel=1e-12)  # 0.1 x 200 / 400
+    assert (out["forecast/hi95"] - out["forecast/final"]) / 2.0 == pytest.approx(math.hypot(half, 1.959963984540054
+                                                                                             * 0.01), rel=1e-9)
+    assert ForecastFinal([0, 400], [3.0, 2.0], 1.9, 2.1, drift=drift).update(100, math.nan)["forecast/final"] == 2.0
 
 
 def test_at_the_final_step_the_forecast_is_what_was_observed():

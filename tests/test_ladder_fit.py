@@ -31,6 +31,7 @@ from moelab.ladder.laws import (
     fit_compute_envelope,
     lower_envelope,
 )
+from moelab.ladder.drift import Drift
 from moelab.ladder.on_track import OnTrack, load_on_track
 from moelab.ladder.predict import fit_curves
 from moelab.ladder.speedup import compute_equivalent_speedup
@@ -558,6 +559,13 @@ def test_fit_curves_writes_the_target_rows_with_bands_and_returns_a_json_summary
     # The generating law at the final step of the planned run: the prediction is within its 95% band.
     planned = Run("main", 3e8, [r["step"] for r in rows], [r["tokens"] for r in rows], [r["lr"] for r in rows])
     assert lo95[-1] <= curve_loss(TRUE, planned)[-1] <= hi95[-1]
+    # The live forecast's drift tables (issue 60): every method's for the run, the default named; the watcher
+    # reads the default unless told another method, and "offset" is the forecast without a drift.
+    forecast = summary["forecast"]
+    assert forecast["method"] == "analog" and set(forecast["runs"]["main"]) == {"analog", "analog-size"}
+    assert load_on_track(out).forecast.drift.at(0.5) == Drift.from_json(forecast["runs"]["main"]["analog"],
+                                                                           forecast["fractions"]).at(0.5)
+    assert load_on_track(out, forecast="offset").forecast.drift is None
 
 
 def test_sidecar_states_the_noise_scale_and_the_watcher_reads_the_noise_at_the_targets_size(target_csv, tmp_path,

@@ -8,10 +8,11 @@ Modules, each importing only those above it:
 - `contract`: the CURVES.csv / TARGET.csv -> PRED.csv contract and PRED.json, its sidecar.
 - `bands`: the bootstrap, the noise a new run adds, and the bands around a prediction.
 - `calibrate`: widening the bands by the law's misfit on runs it did not see.
+- `forecast`: the live forecast of a run's final loss from its evals so far.
+- `drift`: how the law's miss moves over a run of each schedule shape, read off the curves for the forecast.
 - `rungs`: rungs from a recipe and compute budgets; the checks `ladder plan` warns with.
 - `fix`: resolving those warnings (`ladder plan --fix`).
 - `predict`: `fit_curves`, the whole prediction: fit, bands, self-check, summary, PRED.csv.
-- `forecast`: the live forecast of a run's final loss from its evals so far.
 - `on_track`: the on-track watcher, each eval of a training run against its predicted band.
 - `speedup`: the compute-equivalent speedup of one recipe's ladder over another's.
 - `task`, `task_points`: the target's downstream task accuracy from the rungs' checkpoints.

@@ -26,6 +26,12 @@ sum_j w_j r_j / s_e,j^2 over it).
 A forecast outside [lo95, hi95] of the final step says the run will likely end off its hypothesis,
 usually long before its own evals have left the per-step band twice in a row.
 
+The offset still moves after the eval: the law's miss has a shape its schedule sets (`drift`), so with a
+`drift` table (the sidecar's, measured on the curves by `drift.tables`) the forecast adds the drift expected from
+the eval's fraction of the steps to the end, and its sd to the band (in quadrature):
+
+    final = pred_T * (1 + rho_post + drift(f)),   half95 = 1.96 * sqrt(post_sd^2 + drift_sd(f)^2)
+
 At the final step the final loss has been measured: the forecast is that eval, with the eval's own noise as
 its band (issue 54: the demo's last line forecast 1.767 beside an observed 1.8035, the prior still pulling).
 """
@@ -37,17 +43,29 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["HALF_LIFE", "ForecastFinal"]
+__all__ = ["HALF_LIFE", "recent_weights", "recent_mean", "ForecastFinal"]
 
 HALF_LIFE = 2.0  # evals: an eval's weight halves every 2 evals after it
 _Z95 = 1.959963984540054
+
+
+def recent_weights(count: int) -> np.ndarray:
+    """[count] each eval's weight by its age, oldest first: halves every HALF_LIFE evals after it."""
+    return 0.5 ** (np.arange(count)[::-1] / HALF_LIFE)
+
+
+def recent_mean(residuals: np.ndarray) -> float:
+    """The residuals' mean weighted by age as the forecast weighs evals of equal noise (`drift` measures from it)."""
+    weights = recent_weights(len(residuals))
+    return float(weights @ residuals / weights.sum())
 
 
 class ForecastFinal:
     """The posterior of a run's final loss after each eval; see the module docstring."""
 
     def __init__(self, steps: Sequence[float], loss_pred: Sequence[float], lo95: float, hi95: float,
-                 checkpoint_sd: float | Sequence[float] | None = None):
+                 checkpoint_sd: float | Sequence[float] | None = None, drift=None):
+        self.drift = drift  # a `drift.Drift` (anything with at(fraction) -> (mean, sd)), or None: no drift
         self._steps = np.asarray(steps, dtype=np.float64)
         self._pred = np.asarray(loss_pred, dtype=np.float64)
         self.final_pred, self.lo95, self.hi95 = float(self._pred[-1]), float(lo95), float(hi95)
@@ -68,11 +86,13 @@ class ForecastFinal:
         if step >= self._steps[-1] and math.isfinite(loss):  # the final eval: nothing left to forecast
             noise = _Z95 * self.eval_sd * loss
             return {"forecast/final": float(loss), "forecast/lo95": loss - noise, "forecast/hi95": loss + noise}
-        ages = np.arange(len(self._residuals))[::-1]
-        weights = 0.5 ** (ages / HALF_LIFE) / np.asarray(self._variances)
+        weights = recent_weights(len(self._residuals)) / np.asarray(self._variances)
         precision = 1.0 / self.prior_sd**2 + weights.sum()
         offset = float(weights @ np.asarray(self._residuals)) / precision if self._residuals else 0.0
         half = _Z95 / math.sqrt(precision)
+        if self.drift is not None and self._residuals:
+            drift, sd = self.drift.at(step / self._steps[-1])
+            offset, half = offset + drift, math.hypot(half, _Z95 * sd)
         return {"forecast/final": self.final_pred * (1 + offset),
                 "forecast/lo95": self.final_pred * (1 + offset - half),
                 "forecast/hi95": self.final_pred * (1 + offset + half)}

@@ -24,6 +24,7 @@ from moelab.errors import DataError
 from moelab.ladder.bands import PROGRESS_EDGES, checkpoint_scale
 from moelab.ladder.contract import load_prediction, read_sidecar, sidecar_path, size_scale_of
 from moelab.ladder.curve import Run, fitted_rows
+from moelab.ladder.drift import METHODS, Drift
 from moelab.ladder.fit import noise_scale
 from moelab.ladder.forecast import ForecastFinal
 
@@ -64,11 +65,12 @@ class OnTrack:
     (`forecast/final`, `forecast/lo95`, `forecast/hi95`) and, when the run goes off track or its
     forecast leaves the final band, the incident (`watch`). `source` names the prediction in the warning.
     `checkpoint_sd` (the fit's per-eval noise, from the prediction's sidecar JSON: one value, or one per
-    planned step of the run) sets how much one eval moves the forecast.
+    planned step of the run) sets how much one eval moves the forecast; `drift` (the sidecar's table for the run,
+    `drift.Drift`) how its offset is expected to move from each eval to the end.
     """
 
     def __init__(self, pred_rows: Sequence[dict], run: str | None = None, source: str = "the prediction",
-                 checkpoint_sd: float | Sequence[float] | None = None):
+                 checkpoint_sd: float | Sequence[float] | None = None, drift: Drift | None = None):
         names = list(dict.fromkeys(row["run"] for row in pred_rows))
         if not names:
             raise DataError("the prediction has no rows; run `moelab ladder fit` to write PRED.csv first.")
@@ -87,7 +89,7 @@ class OnTrack:
         self._first_step = float(planned.steps[int(np.argmax(fitted_rows(planned)))])
         self._misses = 0
         self.forecast = ForecastFinal(planned.steps, self._band["loss_pred"], self._band["lo95"][-1],
-                                      self._band["hi95"][-1], checkpoint_sd)
+                                      self._band["hi95"][-1], checkpoint_sd, drift)
         self._forecast_outside = False
 
     def check(self, step: int, loss: float) -> TrackCheck:
@@ -134,10 +136,13 @@ class OnTrack:
         return {"on_track": check.state, **forecast}, incidents
 
 
-def load_on_track(path: str | Path, run: str | None = None) -> OnTrack:
-    """The on-track watcher of PRED.csv's run (its only one, or `run` of several), with the fit's noise from its
-    sidecar if present."""
-    summary, checkpoint_sd, rows = read_sidecar(path), None, load_prediction(path)
+def load_on_track(path: str | Path, run: str | None = None, forecast: str | None = None) -> OnTrack:
+    """The on-track watcher of PRED.csv's run (its only one, or `run` of several), with the fit's noise and the
+    forecast's drift table from its sidecar if present. `forecast` picks another of the sidecar's forecast methods
+    (`drift.METHODS`; "offset": no drift) than the one it names, as the benchmark scores each."""
+    if forecast is not None and forecast not in METHODS:
+        raise DataError(f"forecast={forecast!r} is not a forecast method; one of {', '.join(METHODS)}.")
+    summary, checkpoint_sd, drift, rows = read_sidecar(path), None, None, load_prediction(path)
     if run is not None:
         rows = [r for r in rows if r["run"] == run] or rows  # an unknown name: OnTrack names the runs it holds
     if summary is not None:
@@ -152,10 +157,24 @@ def load_on_track(path: str | Path, run: str | None = None) -> OnTrack:
                     raise ValueError(f"noise.progress_scale={profile}")
                 tokens = np.array([r["tokens"] for r in rows if r["run"] == rows[0]["run"]])
                 checkpoint_sd = checkpoint_sd * checkpoint_scale(tokens / tokens[-1], profile)
+            drift = _drift_of(summary, rows[0]["run"], forecast)
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise DataError(f"{sidecar_path(path)} is not the sidecar `moelab ladder fit` writes ({err!r}); delete it "
                             "or refit to rewrite it.") from None
     try:
-        return OnTrack(rows, run=run, source=str(path), checkpoint_sd=checkpoint_sd)
+        return OnTrack(rows, run=run, source=str(path), checkpoint_sd=checkpoint_sd, drift=drift)
     except DataError as err:  # the rows' own checks name the run and step; the reader names the file
         raise DataError(f"{path}: {err}") from None
+
+
+def _drift_of(summary: dict, run: str, method: str | None) -> Drift | None:
+    """The sidecar's drift table of `run` for `method` (default: the sidecar's own); None for "offset", for a
+    sidecar written before issue 60, or a run it holds no table for. KeyError/ValueError for a malformed one."""
+    forecast = summary.get("forecast")
+    if forecast is None:
+        return None
+    method = method or forecast["method"]
+    if method not in METHODS:
+        raise ValueError(f"forecast.method={method!r}")
+    table = forecast["runs"].get(run, {}).get(method)
+    return None if table is None else Drift.from_json(table, forecast["fractions"])

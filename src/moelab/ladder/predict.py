@@ -3,7 +3,8 @@
 `fit_curves` reads CURVES.csv and TARGET.csv (`contract`), fits the curve law (`fit`), predicts the target
 with bands (`bands`, widened by the law's held-out misfit: `calibrate`) and writes PRED.csv and its sidecar.
 The sidecar's summary says how far to trust it: the leave-largest-out `self_check`, what the data did not
-pin down, what differs between the runs that the law does not model, and what to add for a +-3% band.
+pin down, what differs between the runs that the law does not model, and what to add for a +-3% band. It also
+carries the drift tables the live forecast reads (`drift`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from moelab.ladder.bands import (
 from moelab.ladder.calibrate import measure_misfit, widen
 from moelab.ladder.contract import BAND_COLUMNS, read_curves, read_target_table, write_prediction
 from moelab.ladder.curve import CurveLaw, Run, curve_loss, fitted_rows
+from moelab.ladder.drift import DEFAULT_FORECAST, FRACTIONS
+from moelab.ladder.drift import tables as drift_tables
 from moelab.ladder.fit import ALPHA_PRIOR, EXPONENT_BOUNDS, alpha_prior_z, fit_curve_law
 
 __all__ = ["LAWS", "BANDS", "SELF_CHECK_MIN_COVERAGE", "SELF_CHECK_MAX_BAND", "self_check", "fit_curves"]
@@ -323,6 +326,9 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     if misfit is not None:
         predictions = {run.name: widen(predictions[run.name], misfit, run) for run in targets}
     summary = _summary_of(law, bootstrap, curves, targets, predictions, check, num_bootstrap, seed, out_path)
+    drifts = drift_tables(curves, law, targets)
+    summary["forecast"] = {"method": DEFAULT_FORECAST, "fractions": list(FRACTIONS),
+                           "runs": {run: {m: d.as_json() for m, d in by.items()} for run, by in drifts.items()}}
     summary["band"] = band
     summary["law_name"] = name
     lr_law = LAWS[name][1]
