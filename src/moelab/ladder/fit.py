@@ -47,6 +47,8 @@ from moelab.ladder.laws import best_on_grid, search_bounded
 __all__ = [
     "EXPONENT_BOUNDS",
     "ALPHA_PRIOR",
+    "ALPHA_PRIORS",
+    "IDENTIFYING_SIZES",
     "NOISE_EXPONENT_BOUNDS",
     "RHO_BOUNDS",
     "FitRows",
@@ -67,6 +69,8 @@ EXPONENT_BOUNDS = (0.01, 3.0)  # the search range of alpha and beta in the curve
 # of LMs land (Hoffmann et al. 2022: 0.34; Besiroglu et al. 2024: 0.35). A ladder of a few sizes within
 # 2-3x cannot pin E, A and alpha alone (docs/scaling-ladder.md, "A prior on the size exponent"). None: no prior.
 ALPHA_PRIOR: tuple[float, float] | None = (0.35, math.log(2.0))
+ALPHA_PRIORS = ("always", "unidentified")  # when `fit_curve_law` applies ALPHA_PRIOR
+IDENTIFYING_SIZES = 4  # "unidentified": curves of this many sizes or more are fitted without the prior
 # How fast a run's noise may fall with its size, residual sd ~ N^-kappa (`fit_curve_law`). Capped at 1:
 # a steeper fall, read off a few sizes and extrapolated to the target, would make its band too narrow.
 NOISE_EXPONENT_BOUNDS = (0.0, 1.0)
@@ -408,7 +412,8 @@ def _noise_exponent(rows: FitRows, law: CurveLaw) -> tuple[float, float]:
     return float(np.clip(-slope, *NOISE_EXPONENT_BOUNDS)), ref
 
 
-def fit_curve_law(runs: Sequence[Run], form: str = "tissue", lr_law: str = "relative") -> CurveLaw:
+def fit_curve_law(runs: Sequence[Run], form: str = "tissue", lr_law: str = "relative",
+                  alpha_prior: str = "always") -> CurveLaw:
     """Fit the curve law jointly on every post-warmup row of every run (least squares on loss).
 
     Grid: alpha, beta in 0.05..1.2 (8 each), tau in 1..last step (7, log-spaced); then L-BFGS-B
@@ -435,13 +440,19 @@ def fit_curve_law(runs: Sequence[Run], form: str = "tissue", lr_law: str = "rela
 
     `lr_law` lets the peak LR and batch in (`curve.LR_LAWS`, fitting rho in [0, 1]) where some size's runs
     differ in them; elsewhere the fit is the relative-LR law's, exactly (`CurveLaw.lr_law` says which).
+    `alpha_prior` (`ALPHA_PRIORS`): "always" applies ALPHA_PRIOR; "unidentified" only to curves of fewer than
+    IDENTIFYING_SIZES sizes, where the data cannot pin alpha (issue 60's candidate: the 308M target's alpha
+    came out 0.097 against the prior's 0.35, a pull the 7 sizes may not need).
     """
+    if alpha_prior not in ALPHA_PRIORS:
+        raise DataError(f"alpha_prior={alpha_prior!r} is not one of {', '.join(ALPHA_PRIORS)}.")
     rows = tabulate_rows(runs, form, lr_law)
     law = fit_rows(rows)
     exponent, ref = _noise_exponent(rows, law)
     rows = replace(rows, noise_exponent=exponent, noise_ref=ref)
     law = _refit(rows, law) if exponent > 0 else replace(law, noise_ref=ref)
-    if rows.one_size or ALPHA_PRIOR is None:
+    identified = alpha_prior == "unidentified" and len({run.params for run in runs}) >= IDENTIFYING_SIZES
+    if rows.one_size or ALPHA_PRIOR is None or identified:
         return law
     run_var, _, checkpoint_var, _ = measure_noise(rows, law)[2]
     weight = float(np.mean(rows.counts)) * run_var + checkpoint_var

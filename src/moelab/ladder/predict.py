@@ -40,15 +40,17 @@ _MIN_BOOTSTRAP = 20  # fewer refits cannot place a 2.5% quantile between two of 
 # The curve laws and band methods `fit_curves` offers (docs/scaling-ladder.md, "Real public curves": the default
 # of each was chosen by a rule fixed before scoring).
 # `--law`: name -> (the annealing term's form: Tissue et al.'s EMA of the LR drop or Luo et al.'s multi-power drop,
-# how the peak LR and the batch enter: `curve.LR_LAWS`). Chosen by the rule in docs/scaling-ladder.md.
-LAWS = {"tissue": ("tissue", "relative"), "multipower": ("multipower", "relative"),
-        "tissue-lr": ("tissue", "progress"), "convex": ("tissue", "convex"), "timescale": ("tissue", "timescale")}
+# how the peak LR and the batch enter: `curve.LR_LAWS`, when the alpha prior applies: `fit.ALPHA_PRIORS`).
+# Chosen by the rule in docs/scaling-ladder.md.
+LAWS = {"tissue": ("tissue", "relative", "always"), "multipower": ("multipower", "relative", "always"),
+        "tissue-lr": ("tissue", "progress", "always"), "convex": ("tissue", "convex", "always"),
+        "timescale": ("tissue", "timescale", "always"), "tissue-free-alpha": ("tissue", "relative", "unidentified")}
 
 
 def _fitter(law: str) -> Callable[[Sequence[Run]], CurveLaw]:
     """`fit_curve_law` for the `--law` named `law`."""
-    form, lr_law = LAWS[law]
-    return partial(fit_curve_law, form=form, lr_law=lr_law)
+    form, lr_law, alpha_prior = LAWS[law]
+    return partial(fit_curve_law, form=form, lr_law=lr_law, alpha_prior=alpha_prior)
 BANDS = ("bootstrap", "calibrated")  # calibrated: widened by the law's held-out misfit (`calibrate`)
 # The self-check fails when fewer of the held-out rung's scored evals than this lie inside the 95% band predicted for
 # them: its rows share one run offset, so a band that holds the rung's noise and the law's misfit holds nearly all
