@@ -256,6 +256,13 @@ def test_the_alpha_prior_pulls_a_size_exponent_that_three_sizes_cannot_pin_towar
     # and alpha absorb, so it scatters by a factor of 2 or more (here 0.012^2)
     assert rows * 0.02**2 / 4 < penalized.prior_weight < 2 * rows * 0.02**2
     assert penalized.rmse < 1.2 * free.rmse
+    # `--law tissue-free-alpha` (issue 60): the prior stays on 3 sizes, and is off from IDENTIFYING_SIZES (4) on
+    assert fit_curve_law(runs, alpha_prior="unidentified") == penalized
+    four = runs + [_synthetic_run("r3-0", 3e8, 1000, "cosine", rng, 20, 0.02, 0.005)]
+    unpinned = fit_curve_law(four, alpha_prior="unidentified")
+    assert unpinned.prior_weight == 0.0 and fit_curve_law(four).prior_weight > 0
+    with pytest.raises(DataError, match="alpha_prior='never' is not one of always, unidentified"):
+        fit_curve_law(runs, alpha_prior="never")
 
 
 def test_with_one_run_per_size_the_prior_weighs_one_checkpoint():
