@@ -158,7 +158,9 @@ def _loss_curve(run: RunFiles, report_dir: Path | None = None) -> Section:
         sec.p(check)
     if series(metrics, "forecast/final")[0]:
         sec.img("forecast", forecast_plot(metrics, band))
-        sec.p("The forecast uses the prediction as its prior and the run's own evals so far (forecast/final); the "
+        sec.p("The forecast uses the prediction as its prior and the run's own evals so far (forecast/final), plus "
+              "the drift the ladder's curves of the same schedule shape showed from that point to their end (in "
+              "predictions `ladder fit` writes since 2026-12-07); the "
               "shaded strip is the pre-registered band of the final step, which never moves.")
     return sec
 
