@@ -1,6 +1,5 @@
 """Calibrated bands: the law's held-out misfit widens every band, and the self-check fails a band that misses."""
 
-import csv
 import math
 from dataclasses import replace
 
