@@ -789,12 +789,38 @@ def test_a_law_that_sees_the_peak_lr_recovers_its_exponent_and_predicts_a_new_lr
     assert ours < 0.003 < 0.01 < blind
 
 
+def _run_with_noise(name, params, num_steps, kind, peak, law, tokens_per_step, every=20):
+    """A noiseless run under the `noise` law: L = e + a N^-alpha + b S1^-beta + c x^rho (1 - S2), x = (peak LR /
+    tokens per step) / 1e-7: the relative-LR oracle with e + c x^rho for e and c x^rho for c."""
+    x = (peak / tokens_per_step / 1e-7) ** law.rho
+    scaled = replace(law, e=law.e + law.c * x, c=law.c * x)
+    lr = peak * _schedule(kind, num_steps)
+    steps = np.unique(np.concatenate([[1], np.arange(every, num_steps + 1, every)]))
+    loss = _oracle_loss(scaled, params, lr, tokens_per_step)[steps - 1]
+    return Run(name, params, steps, steps * tokens_per_step, lr[steps - 1], loss)
+
+
+def test_the_noise_law_recovers_its_exponent_and_predicts_a_target_at_twice_the_batch():
+    """Issue 60's candidate: each size's cosine runs at 2x the WSD's peak LR (as in sp-size-*) identify rho on the
+    noise term; a target at twice the rungs' tokens per step (sp-size-360m's) is then predicted where the
+    relative-LR law, which reads only tokens, misses. rho = 0 would be the relative-LR law exactly."""
+    true = replace(TRUE, rho=0.5)
+    runs = [_run_with_noise(f"r{i}-{kind}", n, 600, kind, peak, true, 2e4)
+            for i, n in enumerate(np.geomspace(1e6, 3e7, 4)) for kind, peak in (("wsd", 3e-3), ("cosine", 6e-3))]
+    law = fit_curve_law(runs, lr_law="noise")
+    assert law.lr_law == "noise" and law.rho == pytest.approx(0.5, abs=0.02)
+    target = _run_with_noise("target", 6e7, 600, "constant", 3e-3, true, 4e4)
+    assert curve_loss(law, target)[-1] == pytest.approx(target.loss[-1], rel=1e-3)
+    blind = abs(curve_loss(fit_curve_law(runs), target)[-1] / target.loss[-1] - 1)
+    assert blind > 0.01
+
+
 def test_a_peak_lr_term_the_rungs_cannot_identify_leaves_the_relative_law_and_says_so(tmp_path):
     """One peak LR per size (the synthetic ladder's 3e-3 everywhere): rho cannot be told from the size term, so
     every LR-aware law falls back to the relative-LR law exactly, and the summary says so first."""
     runs = _ladder(np.random.default_rng(0), checkpoint_sd=1e-3)
     plain = fit_curve_law(runs)
-    for lr_law in ("progress", "convex", "timescale"):
+    for lr_law in ("progress", "convex", "timescale", "noise"):
         assert fit_curve_law(runs, lr_law=lr_law) == plain
     curves = tmp_path / "CURVES.csv"
     _write_csv(curves, ["run", "params", "step", "tokens", "lr", "loss"], _curve_rows(runs))
@@ -806,7 +832,7 @@ def test_a_peak_lr_term_the_rungs_cannot_identify_leaves_the_relative_law_and_sa
 
 
 @pytest.mark.parametrize("form, lr_law, num_sizes", [
-    ("tissue", "relative", 4), ("tissue", "convex", 4), ("tissue", "progress", 1),
+    ("tissue", "relative", 4), ("tissue", "convex", 4), ("tissue", "progress", 1), ("tissue", "noise", 4),
     ("multipower", "relative", 4), ("multipower", "convex", 4), ("multipower", "timescale", 1),
 ])
 def test_the_fits_gradient_is_the_central_difference_of_its_objective_with_every_term_active(form, lr_law, num_sizes):

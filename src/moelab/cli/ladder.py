@@ -149,8 +149,9 @@ def fit(
     law: Annotated[str, typer.Option(
         help="The curve law: tissue (an EMA of the LR drop), multipower (Luo et al. 2025's multi-power drop), or "
              "tissue with the peak LR and batch let in where the rungs identify them: tissue-lr (S1 scaled by the "
-             "peak LR^rho), convex (S1 and the anneal gain, Schaipp et al. 2025), timescale (peak LR / batch). "
-             "See docs/scaling-ladder.md, \"The peak LR and the batch\".")] = DEFAULT_LAW,
+             "peak LR^rho), convex (S1 and the anneal gain, Schaipp et al. 2025), timescale (peak LR / batch), "
+             "noise-temperature (the noise an anneal removes, scaled by peak LR / batch); tissue-free-alpha (no "
+             "prior on alpha from 4 sizes on). See docs/scaling-ladder.md, \"The peak LR and the batch\".")] = DEFAULT_LAW,
     band: Annotated[str, typer.Option(
         help="bootstrap (run and checkpoint noise, the fit's uncertainty) or calibrated (also the law's misfit on "
              "runs it did not see: leave a size, horizon or schedule out).")] = DEFAULT_BAND,

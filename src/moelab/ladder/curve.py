@@ -42,6 +42,9 @@ exposure x = (P / P_ref) (`lr_law="progress"`, `"convex"`) or (P / B) / (P / B)_
   peak LR has an optimum.
 - `timescale`: as `progress` on P / B, the AdamW timescale's variable (Bergsma et al. 2025, tau = B /
   (eta * lambda * D), weight decay fixed): the LR and the batch enter only through their ratio.
+- `noise` (issue 60): the noise an anneal removes, C, is present at the peak LR and scales with the noise
+  temperature P / B: - C * S2 -> + C * x^rho * (1 - S2), S1 untouched. rho = 0 is the relative-LR law with its
+  floor at E + C.
 
 rho = 0 is the relative-LR law. A ladder whose every size has one exposure cannot tell rho from the size
 term: the fit then falls back to the relative-LR law (`exposure_identified`) and says so.
@@ -92,7 +95,7 @@ _PEAK_TOLERANCE = 1e-6
 # 0.5%. From 25% on changed little, from 35% on was worse (too few rows to pin the curvature).
 TRANSIENT_FRACTION = 0.15
 FORMS = ("tissue", "multipower")  # the annealing term's forms (`CurveLaw.form`)
-LR_LAWS = ("relative", "progress", "convex", "timescale")  # how the peak LR and batch enter (`CurveLaw.lr_law`)
+LR_LAWS = ("relative", "progress", "convex", "timescale", "noise")  # how the peak LR and batch enter (`CurveLaw.lr_law`)
 _SAME_EXPOSURE = 0.01  # exposures of one size within this relative distance count as one (CSV rounding)
 
 
@@ -161,7 +164,8 @@ class Run:
 
 @dataclass(frozen=True)
 class CurveLaw:
-    """L(N, t) = e + a * N^-alpha + b * (x^rho S1(t))^-beta - c [x^rho] * S2(t); see the module docstring."""
+    """L(N, t) = e + a * N^-alpha + b * (x^rho S1(t))^-beta - c [x^rho] * S2(t), or under `noise`
+    e + a * N^-alpha + b * S1(t)^-beta + c * x^rho * (1 - S2(t)); see the module docstring."""
 
     e: float
     a: float
@@ -196,9 +200,9 @@ class CurveLaw:
 
 
 def exposure(run: Run, lr_law: str) -> float:
-    """The run's peak LR (`progress`, `convex`) or peak LR per token of batch (`timescale`)."""
+    """The run's peak LR (`progress`, `convex`) or peak LR per token of batch (`timescale`, `noise`)."""
     peak = float(run.lr.max())
-    if lr_law == "timescale":
+    if lr_law in ("timescale", "noise"):
         return peak / float(run.tokens[-1] / run.steps[-1])
     return peak
 
@@ -371,11 +375,13 @@ def curve_losses(laws: Sequence[CurveLaw], run: Run) -> np.ndarray:
     out = np.empty((len(laws), len(s1)))
     for i, law in enumerate(laws):
         x = law.exposure_factor(run)
-        data_term = np.where(s1 > 0, law.b * (x * safe_s1)**-law.beta, np.nan)
+        progress = 1.0 if law.lr_law == "noise" else x  # x^rho on S1, except under `noise`
+        data_term = np.where(s1 > 0, law.b * (progress * safe_s1)**-law.beta, np.nan)
         anneal = (terms.drop(law.tau, law.power, law.gamma) if law.form == "multipower"
                   else _ema(drop, law.tau)[picks])
-        gain = law.c * (x if law.lr_law == "convex" else 1.0)
-        out[i] = law.e + law.a * run.params**-law.alpha + data_term - gain * anneal
+        gain = law.c * (x if law.lr_law in ("convex", "noise") else 1.0)
+        noise = gain * (1.0 - anneal) if law.lr_law == "noise" else -gain * anneal
+        out[i] = law.e + law.a * run.params**-law.alpha + data_term + noise
     return out
 
 

@@ -137,11 +137,18 @@ class FitRows:
         return self.anneal_bounds() + ([] if self.log_exposure is None else [RHO_BOUNDS])
 
     def exposure_terms(self, rho: float) -> tuple[np.ndarray, np.ndarray]:
-        """([n] rho * log x added to log S1, [n] the factor on the annealing gain: x^rho under `convex`, else 1)."""
+        """([n] rho * log x added to log S1 (0 under `noise`), [n] the factor on the annealing gain: x^rho under
+        `convex` and `noise`, else 1)."""
         if self.log_exposure is None:
             return np.zeros_like(self.loss), np.ones_like(self.loss)
-        shift = rho * self.log_exposure
-        return shift, (np.exp(shift) if self.lr_law == "convex" else np.ones_like(shift))
+        log_x = rho * self.log_exposure
+        shift = np.zeros_like(log_x) if self.lr_law == "noise" else log_x
+        return shift, (np.exp(log_x) if self.lr_law in ("convex", "noise") else np.ones_like(log_x))
+
+    def anneal_column(self, gain, s2: np.ndarray) -> np.ndarray:
+        """[n] C's column in the design: -gain * S2, or under `noise` gain * (1 - S2), the noise term present at the
+        peak LR that an anneal removes (`curve.LR_LAWS`)."""
+        return gain * (1.0 - s2) if self.lr_law == "noise" else -gain * s2
 
     @property
     def scale(self) -> np.ndarray:
@@ -256,7 +263,7 @@ def _design(rows: FitRows, alpha: float, beta: float, rho: float, s2: np.ndarray
     x_n, x_s = rows.centred
     shift, gain = rows.exposure_terms(rho)
     size = [] if rows.one_size else [np.exp(-alpha * x_n)]
-    return np.column_stack([np.ones_like(rows.loss), *size, np.exp(-beta * (x_s + shift)), -gain * s2])
+    return np.column_stack([np.ones_like(rows.loss), *size, np.exp(-beta * (x_s + shift)), rows.anneal_column(gain, s2)])
 
 
 def _project(rows: FitRows, design: np.ndarray) -> tuple[np.ndarray, float]:
@@ -284,13 +291,13 @@ def sse_and_gradient(rows: FitRows, p) -> tuple[float, np.ndarray]:
 
     By the envelope theorem the NNLS coefficients hold still: d sse / dp = r . (dX/dp) c, with r = 2 w^2 (fit -
     loss), X the design and c = (E, A, B, C). With x_n, x_s the centred log N and log S1, shift = rho log x and
-    g the annealing gain (x^rho under `convex`, else 1), the fit is E + A e^(-alpha x_n) + B e^(-beta (x_s +
-    shift)) - C g S2(q), so
+    g the annealing gain (x^rho under `convex` and `noise`, else 1), the fit is E + A e^(-alpha x_n) + B e^(-beta
+    (x_s + shift)) - C g S2(q) (under `noise`: + C g (1 - S2(q)), shift = 0), so
 
         d/dalpha = -A x_n e^(-alpha x_n)          d/dq = -C g dS2/dq
         d/dbeta  = -B (x_s + shift) e^(...)       d/drho = -B beta log x e^(...) - C (dg/drho) S2,
 
-    dg/drho = g log x under `convex`, else 0. One S2 and its gradient a step, where finite differences
+    dg/drho = g log x under `convex`, else 0 (under `noise`: d/drho = C g log x (1 - S2)). One S2 and its gradient a step, where finite differences
     re-sum the multi-power drop for every parameter: 20 bootstrap refits on sp-size-360m take 4.6 s
     instead of 11.3 s (`fit_rows` uses it for that form only).
     """
@@ -306,8 +313,9 @@ def sse_and_gradient(rows: FitRows, p) -> tuple[float, np.ndarray]:
     grad = np.concatenate([[residual @ (-a * x_n * np.exp(-alpha * x_n)), residual @ (-b * (x_s + shift) * data)],
                            -c * ((anneal[1:] * gain) @ residual)])
     if rows.log_exposure is not None:
-        d_gain = gain * rows.log_exposure if rows.lr_law == "convex" else 0.0
-        grad = np.append(grad, residual @ (-b * beta * rows.log_exposure * data - c * d_gain * anneal[0]))
+        d_shift = 0.0 if rows.lr_law == "noise" else -b * beta * rows.log_exposure * data
+        d_gain = gain * rows.log_exposure if rows.lr_law in ("convex", "noise") else 0.0
+        grad = np.append(grad, residual @ (d_shift + c * rows.anneal_column(d_gain, anneal[0])))
     z = alpha_prior_z(alpha)
     if rows.prior_weight and ALPHA_PRIOR is not None:
         grad[0] += rows.prior_weight * 2.0 * z / (alpha * ALPHA_PRIOR[1])
@@ -487,11 +495,12 @@ def _linearize(rows: FitRows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
     if law.b > 0:
         columns += [data] + ([-law.b * log_s1 * data] if free(law.beta, *EXPONENT_BOUNDS) else [])
     if rows.log_exposure is not None and free(law.rho, *RHO_BOUNDS) and (law.b > 0 or law.c > 0):
-        # rho moves the data term (through log S1) and, under `convex`, the annealing gain
-        d_gain = (gain * rows.log_exposure) if rows.lr_law == "convex" else 0.0
-        columns.append(-law.b * law.beta * rows.log_exposure * data - law.c * d_gain * anneal)
+        # rho moves the data term (through log S1, except under `noise`) and, under `convex` and `noise`, the gain
+        d_shift = 0.0 if rows.lr_law == "noise" else -law.b * law.beta * rows.log_exposure * data
+        d_gain = (gain * rows.log_exposure) if rows.lr_law in ("convex", "noise") else 0.0
+        columns.append(d_shift + law.c * rows.anneal_column(d_gain, anneal))
     if law.c > 0:
-        columns.append(-s2)
+        columns.append(rows.anneal_column(gain, anneal))
         if rows.form == "tissue" and free(law.tau, 1.0, math.exp(rows.max_log_tau)):
             columns.append(-law.c * gain * rows.anneal(q[0], 1))
         elif rows.form == "multipower":
@@ -502,7 +511,7 @@ def _linearize(rows: FitRows, law: CurveLaw) -> tuple[np.ndarray, np.ndarray]:
                     up, down = list(q), list(q)
                     up[i], down[i] = q[i] + 1e-4, q[i] - 1e-4
                     columns.append(-law.c * gain * (rows.s2(up) - rows.s2(down)) / 2e-4)
-    loss = law.e + law.a * size + law.b * data - law.c * s2
+    loss = law.e + law.a * size + law.b * data + law.c * rows.anneal_column(gain, anneal)
     return loss, np.column_stack(columns) if columns else np.zeros((len(loss), 0))
 
 

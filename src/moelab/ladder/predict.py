@@ -44,7 +44,8 @@ _MIN_BOOTSTRAP = 20  # fewer refits cannot place a 2.5% quantile between two of 
 # Chosen by the rule in docs/scaling-ladder.md.
 LAWS = {"tissue": ("tissue", "relative", "always"), "multipower": ("multipower", "relative", "always"),
         "tissue-lr": ("tissue", "progress", "always"), "convex": ("tissue", "convex", "always"),
-        "timescale": ("tissue", "timescale", "always"), "tissue-free-alpha": ("tissue", "relative", "unidentified")}
+        "timescale": ("tissue", "timescale", "always"), "tissue-free-alpha": ("tissue", "relative", "unidentified"),
+        "noise-temperature": ("tissue", "noise", "always")}
 
 
 def _fitter(law: str) -> Callable[[Sequence[Run]], CurveLaw]:
@@ -221,8 +222,9 @@ def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], tar
                + ("; S2 = LD(t) / B, the multi-power drop (Luo et al. 2025)" if law.form == "multipower" else "")
                + {"relative": "", "progress": "; S1 scaled by x^rho, x the run's peak LR over exposure_ref",
                   "convex": "; S1 and C scaled by x^rho, x the run's peak LR over exposure_ref (Schaipp et al. 2025)",
-                  "timescale": "; S1 scaled by x^rho, x the run's peak LR per token of batch over exposure_ref"
-                  }[law.lr_law],
+                  "timescale": "; S1 scaled by x^rho, x the run's peak LR per token of batch over exposure_ref",
+                  "noise": "; - C*S2(t) read as + C*x^rho*(1 - S2(t)), x the run's peak LR per token of batch over "
+                           "exposure_ref"}[law.lr_law],
         "params": {k: getattr(law, v) for k, v in names.items()},
         "params_95": {k: [float(np.quantile(v, 0.025)), float(np.quantile(v, 0.975))] for k, v in refits.items()},
         "noise": {"run_sd": bootstrap.run_sd, "checkpoint_sd": bootstrap.checkpoint_sd, "run_dof": bootstrap.run_dof,
@@ -336,12 +338,12 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     lr_law = LAWS[name][1]
     if lr_law != "relative" and law.lr_law == "relative":
         summary["notes"].insert(0, f"--law {name}: no size of the curves has runs at two "
-                                + ("values of peak LR per token of batch" if lr_law == "timescale" else "peak LRs")
+                                + ("values of peak LR per token of batch" if lr_law in ("timescale", "noise") else "peak LRs")
                                 + ", so the LR term cannot be told from the size term: the fit is tissue's "
                                   "(the relative-LR law), and so is the prediction.")
     elif lr_law != "relative":
         summary["notes"].append(f"--law {name}: rho = {law.rho:.3f} on the runs' "
-                                + ("peak LR per token of batch" if lr_law == "timescale" else "peak LR")
+                                + ("peak LR per token of batch" if lr_law in ("timescale", "noise") else "peak LR")
                                 + f" over {law.exposure_ref:.4g}" + (" (at its bound 0: the relative-LR law)"
                                                                      if law.rho <= 1e-6 else "") + ".")
     summary["notes"].extend(_setup_notes(curves, targets))
