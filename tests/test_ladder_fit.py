@@ -815,6 +815,21 @@ def test_the_noise_law_recovers_its_exponent_and_predicts_a_target_at_twice_the_
     assert blind > 0.01
 
 
+def test_the_notes_on_unmodelled_peak_lrs_and_batches_name_only_what_the_law_leaves_out():
+    """Two peak LRs per size and a target at twice the batch: the relative-LR law is told both are outside it;
+    `progress` reads the peak but not the batch; `noise` reads both, so neither note would be true of it."""
+    from moelab.ladder.predict import _setup_notes
+
+    runs = [_run_with_noise(f"r{i}-{kind}", n, 100, kind, peak, TRUE, 2e4)
+            for i, n in enumerate((1e6, 4e6)) for kind, peak in (("wsd", 3e-3), ("cosine", 6e-3))]
+    target = [_run_with_noise("target", 8e6, 100, "wsd", 3e-3, TRUE, 4e4)]
+    relative = " ".join(_setup_notes(runs, target))
+    assert "tuned alike" in relative and "no batch-size term" in relative
+    progress = " ".join(_setup_notes(runs, target, "progress"))
+    assert "tuned alike" not in progress and "no batch-size term" in progress
+    assert _setup_notes(runs, target, "noise") == []
+
+
 def test_a_peak_lr_term_the_rungs_cannot_identify_leaves_the_relative_law_and_says_so(tmp_path):
     """One peak LR per size (the synthetic ladder's 3e-3 everywhere): rho cannot be told from the size term, so
     every LR-aware law falls back to the relative-LR law exactly, and the summary says so first."""

@@ -26,6 +26,7 @@ This file imports none of its modules, so importing `moelab.ladder` for the defa
 # than in `bands` so that the CLI can show the default without importing scipy (0.8 s) at start-up.
 NUM_BOOTSTRAP = 200
 # The curve law's annealing form and band method `ladder fit` uses unless told otherwise: chosen on real public
-# curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves").
-DEFAULT_LAW = "tissue"
+# curves by a rule fixed before scoring (docs/scaling-ladder.md, "Real public curves"; "The noise an anneal
+# removes"). Where no size has runs at two peak LRs per token of batch, it fits exactly as "tissue" does.
+DEFAULT_LAW = "noise-temperature"
 DEFAULT_BAND = "calibrated"

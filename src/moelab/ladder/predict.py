@@ -120,13 +120,17 @@ def _identification_notes(law: CurveLaw, refits: dict[str, np.ndarray]) -> list[
     return notes
 
 
-def _setup_notes(curves: Sequence[Run], targets: Sequence[Run]) -> list[str]:
+def _setup_notes(curves: Sequence[Run], targets: Sequence[Run], lr_law: str = "relative") -> list[str]:
     """Name what differs between the runs that the law does not model: the peak LR and the tokens per step.
 
-    The law reads each run's LR relative to its own peak (a ladder tunes the peak per rung) and counts
-    tokens, not steps, so runs at another peak LR or batch size are taken as tuned alike. On real public
-    ladders both differ (docs/scaling-ladder.md, "Real public curves"): say so rather than guess a term.
+    The relative-LR law reads each run's LR relative to its own peak (a ladder tunes the peak per rung) and
+    counts tokens, not steps, so runs at another peak LR or batch size are taken as tuned alike. On real
+    public ladders both differ (docs/scaling-ladder.md, "Real public curves"): say so rather than guess a
+    term. A law with an exposure term (`lr_law` other than "relative") models the peak LR, and the
+    "timescale" and "noise" laws the batch too, so those notes would be false for it.
     """
+    if lr_law != "relative":
+        return _batch_note(curves, targets) if lr_law in ("progress", "convex") else []
     notes = []
     peaks = {}
     for run in curves:
@@ -142,7 +146,11 @@ def _setup_notes(curves: Sequence[Run], targets: Sequence[Run]) -> list[str]:
                      + ", ".join(f"{n:.3g}: {lr:g}" for n, lr in by_size)
                      + "); the law has no LR term, so the size trend carries the LR rule with it: predict a target "
                        "tuned by the same rule.")
+    return notes + _batch_note(curves, targets)
 
+
+def _batch_note(curves: Sequence[Run], targets: Sequence[Run]) -> list[str]:
+    """A note when a target trains on another batch (tokens per step) than every curve: no law term reads it."""
     def per_step(run: Run) -> float:
         return float(run.tokens[-1] / run.steps[-1])
 
@@ -150,10 +158,10 @@ def _setup_notes(curves: Sequence[Run], targets: Sequence[Run]) -> list[str]:
     off = [r for r in targets if all(abs(per_step(r) / b - 1) > 0.05 for b in curve_batches)]
     if off:
         batches = sorted({f"{per_step(r):.4g}" for r in off})
-        notes.append(f"{len(off)} of {len(targets)} target run(s) train on {'/'.join(batches)} tokens per step, "
-                     f"the curves on {'/'.join(f'{b:.4g}' for b in curve_batches)}: the law has no batch-size term (it "
-                     "counts tokens), so what the batch change does to the loss is not in the prediction or its band.")
-    return notes
+        return [f"{len(off)} of {len(targets)} target run(s) train on {'/'.join(batches)} tokens per step, "
+                f"the curves on {'/'.join(f'{b:.4g}' for b in curve_batches)}: the law has no batch-size term (it "
+                "counts tokens), so what the batch change does to the loss is not in the prediction or its band."]
+    return []
 
 
 def _summary_of(law: CurveLaw, bootstrap: CurveBootstrap, curves: list[Run], targets: list[Run],
@@ -337,7 +345,10 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
     summary["law_name"] = name
     lr_law = LAWS[name][1]
     if lr_law != "relative" and law.lr_law == "relative":
-        summary["notes"].insert(0, f"--law {name}: no size of the curves has runs at two "
+        # First when asked for by name (the user expected the term); after the fit's own notes for the default,
+        # where most ladders (one peak LR per rung) fall back and nothing is amiss.
+        summary["notes"].insert(0 if name != DEFAULT_LAW else len(summary["notes"]),
+                                f"--law {name}: no size of the curves has runs at two "
                                 + ("values of peak LR per token of batch" if lr_law in ("timescale", "noise") else "peak LRs")
                                 + ", so the LR term cannot be told from the size term: the fit is tissue's "
                                   "(the relative-LR law), and so is the prediction.")
@@ -346,7 +357,7 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
                                 + ("peak LR per token of batch" if lr_law in ("timescale", "noise") else "peak LR")
                                 + f" over {law.exposure_ref:.4g}" + (" (at its bound 0: the relative-LR law)"
                                                                      if law.rho <= 1e-6 else "") + ".")
-    summary["notes"].extend(_setup_notes(curves, targets))
+    summary["notes"].extend(_setup_notes(curves, targets, law.lr_law))
     if misfit is not None:
         summary["misfit"] = misfit.as_json(max(misfit.distance_of(run) for run in targets))
     if unmeasured:
