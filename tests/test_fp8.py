@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import relative_error, tiny_model
+from helpers import load_benchmark, relative_error, tiny_model
 
+from moelab import presets
 from moelab.config import MeshConfig, ModelConfig, RunConfig, TrainConfig, load_yaml, override
 from moelab.errors import ConfigError
 from moelab.model import fp8, transformer
@@ -24,27 +25,31 @@ FORMATS = {"e4m3": (fp8.E4M3, ml_dtypes.float8_e4m3fn, 448.0), "e5m2": (fp8.E5M2
 
 
 def _reference_qdq(x: np.ndarray, fmt: str, axis) -> np.ndarray:
-    """The definition, in numpy with ml_dtypes' FP8 types: scale = max |x| / max, round x / scale, multiply back."""
+    """The definition, in numpy with ml_dtypes' FP8 types: scale = max |x| / max (at least float32's smallest
+    normal number), round x / scale, multiply back."""
     _, numpy_type, top = FORMATS[fmt]
     amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None)
-    scale = np.where(amax > 0, amax / np.float32(top), np.float32(1)).astype(np.float32)
+    scale = np.maximum(amax / np.float32(top), np.finfo(np.float32).tiny).astype(np.float32)
     return (np.clip(x / scale, -top, top).astype(numpy_type).astype(np.float32) * scale).astype(np.float32)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("axis", [-1, None])
 def test_rounding_is_the_formats_grid_under_current_scaling(fmt, axis):
-    """Heavy tails and an all-zero row: each row's (or the tensor's) largest |x| maps to the format's max exactly,
-    the rest to its grid, zeros stay zero, nothing becomes NaN."""
+    """Heavy tails, an all-zero row and a row of ~1e-37 (whose max / the format's max is float32-subnormal, which
+    a CPU flushes to zero: it made 0 / 0 = NaN before the scale had a floor): each row's (or the tensor's) largest
+    |x| maps to the format's max exactly, the rest to its grid, zeros stay zero, nothing becomes NaN."""
     rng = np.random.default_rng(0)
-    x = (rng.standard_t(2, (6, 40)) * np.geomspace(1e-3, 1e3, 6)[:, None]).astype(np.float32)
+    x = (rng.standard_t(2, (7, 40)) * np.geomspace(1e-3, 1e3, 7)[:, None]).astype(np.float32)
     x[2] = 0.0
+    x[6] = rng.choice([-1.0, 1.0], 40) * rng.uniform(2e-38, 1e-37, 40)  # normal floats, as are their roundings
     got = np.asarray(fp8.quantize_dequantize(jnp.asarray(x), FORMATS[fmt][0], axis))
     # the same grid point everywhere; XLA may form amax / max as amax * (1 / max), a float32 ulp off numpy's scale,
     # while a different grid point would be an e5m2 or e4m3 step away (12.5-25%)
     np.testing.assert_allclose(got, _reference_qdq(x, fmt, axis), rtol=3e-7, atol=0)
     assert np.isfinite(got).all() and (got[2] == 0).all()
-    if axis == -1:  # each row's largest magnitude survives exactly
+    if axis == -1:  # each row's largest magnitude survives exactly; the ~1e-37 row rounds on the grid, not to 0
+        assert np.count_nonzero(got[6]) == 40
         rows = [0, 1, 3, 4, 5]
         np.testing.assert_allclose(np.abs(got[rows]).max(1), np.abs(x[rows]).max(1), rtol=1e-6)
     err = np.abs(got - x) / np.maximum(np.abs(x), 1e-30)
@@ -171,21 +176,53 @@ def test_fp8_with_the_grouped_backend_is_refused_by_the_config_on_a_cpu_too():
         _fp8_model("grouped")
 
 
+def test_tile_scales_keep_a_small_tile_that_a_row_scale_flushes_to_zero():
+    """`benchmarks/fp8_error.py`'s "tiles 128" (DeepSeek-V3's 1x128): a row whose first tile holds 1e3 flushes the
+    second tile's 1e-4 values to zero under one scale per row (1e-4 / (1e3 / 448) is below e4m3's smallest
+    subnormal, 2^-9); on its own scale each tile rounds to e4m3's relative grid (error <= 2^-4)."""
+    tiles = load_benchmark("fp8_error")._tiles(128)
+    x = np.concatenate([np.full(128, 1e3), np.linspace(1e-4, 2e-4, 128)]).astype(np.float32)[None]
+    row, scale = fp8._quantize(jnp.asarray(x), fp8.E4M3, -1)
+    assert not np.any(np.asarray(row.astype(jnp.float32) * scale)[0, 128:])
+    q, unit = tiles(jnp.asarray(x), fp8.E4M3, -1)
+    assert np.all(np.asarray(unit) == 1.0)
+    np.testing.assert_allclose(np.asarray(q)[0, 128:], x[0, 128:], rtol=2.0**-4)
+    w = np.random.default_rng(0).normal(size=(2, 200, 130)).astype(np.float32)
+    w[0, 0, 0] = 1e4  # one expert's block (0, 0) only: the other blocks keep their own scale
+    qw, _ = tiles(jnp.asarray(w), fp8.E4M3, (1, 2))
+    np.testing.assert_allclose(np.asarray(qw)[0, 128:, 128:], w[0, 128:, 128:], rtol=2.0**-4)
+
+
+def test_the_fp8_error_table_has_every_parameter_and_fp8_above_bf16():
+    """`benchmarks/fp8_error.py` on a one-layer tiny at init: a row per parameter (per layer), and bf16's gradient
+    error below FP8's (measured on tiny at init: 0.007 against 0.059)."""
+    bench = load_benchmark("fp8_error")
+    cfg = presets.resolve("tiny", {"model.num_layers": 1, "model.seq_len": 32})
+    params = transformer.init(cfg.model, jax.random.key(0))
+    result = bench.measure(cfg, params, transformer.init_router_bias(cfg.model), bench.batches(cfg, 1, 4),
+                           ["fp8"])
+    rows = result["variants"]
+    assert set(rows) == {"bf16", "fp8"}
+    assert len(rows["fp8"]["gradient_error"]) == len(jax.tree.leaves(params))  # one layer: one row each
+    assert rows["bf16"]["mean_gradient_error"] < rows["fp8"]["mean_gradient_error"]
+
+
 @pytest.mark.slow
-def test_a_tiny_run_in_fp8_ends_within_3_percent_of_the_bf16_seeds_mean(tmp_path):
-    """`benchmarks/fp8_loss.py`: tiny, 300 steps in bf16 from seeds 0, 1, 2 and in FP8 from seed 0.
+def test_tiny_in_fp8_ends_within_the_bf16_seeds_spread(tmp_path):
+    """`benchmarks/fp8_loss.py`: tiny, 300 steps from seeds 0, 1, 2, each in bf16 and in FP8 (issue 61's bar).
 
-    Issue 53 asked for FP8 within the spread of bf16 seeds; measured, it is not (2026-12-06): bf16 1.8592 /
-    1.8256 / 1.8308 (spread 1.8%), FP8 1.8789, +2.2% over the bf16 mean (under this test's 8 simulated devices:
-    1.8429 / 1.8327 / 1.8310 and 1.8781, +2.3%). So this bound is what FP8 at d 64 does, kept as a guard: a
-    broken scale or format moves the loss by far more. `slow`: four 300-step runs, ~3 minutes on 2 cores."""
-    from helpers import load_benchmark
-
+    The FP8 seeds' mean eval/mean lies within the bf16 seeds' [min, max]. Measured 2026-12-07 (2 cores): bf16
+    1.8593 / 1.8209 / 1.8267, FP8 1.8653 / 1.8152 / 1.8299 (mean 1.8368, inside [1.8209, 1.8593]); paired by seed,
+    FP8 - bf16 = +0.06% +- 0.19% (standard error). The 2.2% of issue 53 compared FP8 seed 0 with the bf16 mean,
+    and seed 0 is the highest bf16 seed. A broken scale or format moves the loss by far more than the spread.
+    `slow`: six 300-step runs, ~4 minutes on 2 cores."""
     result = load_benchmark("fp8_loss").compare("tiny", 300, 3, tmp_path)
     evals = [r["eval_mean"] for r in result["bf16"]]
-    mean = sum(evals) / len(evals)
-    assert abs(result["fp8"]["eval_mean"] / mean - 1) < 0.03, (result["fp8"]["eval_mean"], evals)
-    # It ran in FP8: seed 0's initial eval reads the same weights and batches both ways, so only the FP8 GEMMs can
-    # move it; and the run's own config says so.
-    assert result["fp8"]["eval_initial"] != result["bf16"][0]["eval_initial"]
+    fp8_mean = sum(r["eval_mean"] for r in result["fp8_runs"]) / 3
+    assert min(evals) <= fp8_mean <= max(evals), (fp8_mean, evals)
+    assert result["fp8_inside_seed_range"]
+    # It ran in FP8: each seed's initial eval reads the same weights and batches both ways, so only the FP8 GEMMs
+    # can move it; and the runs' own configs say so.
+    for plain, rounded in zip(result["bf16"], result["fp8_runs"]):
+        assert rounded["eval_initial"] != plain["eval_initial"]
     assert load_yaml(tmp_path / "fp8-seed0" / "config.yaml").model.fp8

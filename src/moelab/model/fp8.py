@@ -36,12 +36,16 @@ _MAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}  # each format's large
 
 def _quantize(x: jax.Array, fmt, axis) -> tuple[jax.Array, jax.Array]:
     """(x / scale in `fmt`, scale) with current scaling over `axis` (kept as size-1 dims; None: all of them).
-    Computed in float32; the clip keeps a value that rounding pushed past the max from turning into NaN (e4m3fn
-    has no inf)."""
+
+    Computed in float32. The scale is at least float32's smallest normal number: a row whose max is below
+    fmt's max times that (6.7e-34 for e5m2) would otherwise get a subnormal scale, which a CPU flushes to zero,
+    and 0 / 0 = NaN in a gradient (found by `benchmarks/fp8_error.py`, issue 61); at the floor such a row still
+    rounds on fmt's grid, since x / tiny <= amax / tiny < fmt's max. The clip keeps a value that rounding
+    pushed past the max from turning into NaN (e4m3fn has no inf)."""
     top = _MAX[jnp.dtype(fmt)]
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32), axis=axis, keepdims=True)
-    scale = jax.lax.stop_gradient(jnp.where(amax > 0, amax / top, 1.0))
+    scale = jax.lax.stop_gradient(jnp.maximum(amax / top, jnp.finfo(jnp.float32).tiny))
     return jnp.clip(x32 / scale, -top, top).astype(fmt), scale
 
 
