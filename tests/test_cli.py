@@ -55,6 +55,9 @@ def test_presets_lists_every_preset(monkeypatch, capsys):
         (["train", "--preset", "tiny", "--set", "model.seq_len=100000"], "fewer than one row of seq_len + 1"),
         (["train", "--preset", "tiny", "--mesh", "expert=2", "--set", "model.moe.dispatch=capacity"],
          "model.moe.dispatch='capacity' cannot run with mesh.expert=2"),
+        (["train", "--preset", "tiny", "--steps", "4", "--profile", "3:2"], "--profile='3:2' is invalid"),
+        (["train", "--preset", "tiny", "--steps", "4", "--profile", "2:9"], "STOP <= train.steps (4)"),
+        (["train", "--preset", "tiny", "--profile", "ten"], "e.g. --profile 10:15"),
     ],
 )
 def test_bad_input_exits_2_with_one_message_and_writes_nothing(args, message, monkeypatch, capsys, tmp_path):
@@ -148,6 +151,49 @@ def test_train_command_writes_config_metrics_and_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 4 and set(summary["eval"]) == {"code", "prose", "arithmetic", "mean"}
     assert "moe:" in (out / "config.yaml").read_text()
+
+
+def test_train_shows_mfu_where_the_peak_is_known_and_profile_writes_a_trace_perfetto_opens(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A CPU has no datasheet (no MFU, rather than a guess); with one (1 TFLOP/s, patched in) every record and the
+    summary carry MFU = training FLOPs per token x tokens/s / peak, and the progress line says it. `--profile 1:3`
+    traces steps 2-3: a gzipped Perfetto JSON with the steps' events, its path printed."""
+    import gzip
+
+    from moelab import accounting, presets
+    from moelab.train import run_length
+
+    assert run_length.datasheet_peak_flops("cpu") is None
+    assert run_length.datasheet_peak_flops("NVIDIA H200") == run_length.DEVICES["h200"].peak_flops
+    assert run_length.datasheet_peak_flops("NVIDIA H100 PCIe") is None  # slower than the SXM sheet: no guess
+    monkeypatch.setattr(run_length, "datasheet_peak_flops", lambda kind: 1e12)
+    out = tmp_path / "run"
+    code, stdout, _ = run_cli(["train", "--preset", "tiny", "--steps", "3", "--out", str(out), "--profile", "1:3",
+                               "--set", "train.log_every=1", "--set", "train.eval_batches=1"], monkeypatch, capsys)
+    assert code == 0
+    per_token = accounting.flops_per_token(presets.get("tiny").model)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        assert record["mfu"] == pytest.approx(per_token * record["tokens_per_s"] / 1e12, rel=1e-9)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mfu"] == pytest.approx(per_token * summary["tokens_per_s"] / 1e12, rel=1e-9)
+    assert "MFU" in stdout and "Profile of steps 2-3" in stdout
+    (trace,) = (out / "profile").rglob("perfetto_trace.json.gz")
+    assert str(trace) in stdout
+    events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert len(events) > 10 and any(e.get("dur", 0) > 0 for e in events)
+
+
+def test_train_dry_run_prints_the_config_and_plan_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    code, stdout, _ = run_cli(["train", "--preset", "tiny", "--set", "model.d_model=128", "--dry-run",
+                               "--out", str(out)], monkeypatch, capsys)
+    assert code == 0 and not out.exists()
+    assert "d_model: 128" in stdout  # the config as resolved, overrides applied
+    assert "per device" in stdout and "total" in stdout  # the plan's memory table
+    assert "No step time: no datasheet here for 'cpu'" in stdout
+    assert "links:" not in stdout  # one device: no link carries anything
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"

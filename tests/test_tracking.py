@@ -176,11 +176,14 @@ def test_moelab_train_wandb_names_the_run_keeps_readme_metric_names_and_a_resume
         tmp_path, monkeypatch, capsys):
     """`moelab train --wandb --name`: offline under OUT/wandb, the run named as asked, router_bias/max_abs
     under its README name (not train/router_bias/...), and a resumed run logs into the same W&B run (one
-    id, kept in OUT/wandb/moelab_run_id).
+    id, kept in OUT/wandb/moelab_run_id); MFU, where the device's peak is known, as throughput/mfu.
 
     `slow` (issue 27): two trainings of their own, ~25 s on 2 cores; the module fixture's W&B sink stays."""
+    from moelab.train import run_length
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setattr(run_length, "datasheet_peak_flops", lambda kind: 1e12)  # a device whose peak is known
     out = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
             "--checkpoint-every", "2", "--wandb", "--name", "exp-wandb", "--out", str(out)]
@@ -195,6 +198,7 @@ def test_moelab_train_wandb_names_the_run_keeps_readme_metric_names_and_a_resume
     logged = b"".join(f.read_bytes() for d in run_dirs for f in d.glob("run-*.wandb"))
     assert b"exp-wandb" in logged and b"router_bias/max_abs" in logged
     assert b"train/router_bias" not in logged and b"train/loss" in logged
+    assert b"throughput/mfu" in logged and b"train/mfu" not in logged
 
 
 def test_moelab_train_name_without_wandb_is_a_usage_error(tmp_path, monkeypatch, capsys):

@@ -19,7 +19,7 @@ from rich.table import Table
 from moelab.cli.common import ConfigArg, JsonOpt, PresetOpt, SetOpt, mesh_fields, out_console, resolve_config
 from moelab.errors import ConfigError
 
-__all__ = ["plan"]
+__all__ = ["plan", "print_plan_here"]
 
 GB = 1e9  # one unit everywhere: --hbm sizes are read in GB as device sheets give them
 
@@ -89,7 +89,29 @@ def plan(
     _print(result, compiled, timing)
 
 
-def _print(result, compiled: dict | None, timing: dict | None) -> None:
+def print_plan_here(cfg) -> None:
+    """The plan of `cfg` on the devices this process sees (`moelab train --dry-run`): memory against the device's
+    HBM and the step time at its newest measured MFU where `run_length` has its datasheet; memory alone elsewhere."""
+    import jax
+
+    from moelab.train import memory_plan, run_length, traffic
+
+    name = run_length.device_of_kind(jax.devices()[0].device_kind)
+    chip = run_length.DEVICES[name] if name else None
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    result = memory_plan.plan(cfg, chip.hbm if chip else None, platform, chip.links if chip else traffic.Links(),
+                              advise_too=True)
+    timing = None
+    if chip is not None and name in run_length.MEASURED_MFU:
+        rate, source = run_length.MEASURED_MFU[name]
+        timing = run_length.estimate(cfg, result, chip.peak_flops, rate, source)
+        timing["device"] = chip.name
+    _print(result, None, timing, f"No step time: no datasheet here for {jax.devices()[0].device_kind!r}; "
+                                 "`moelab plan --device h200` (or --peak-flops and --mfu) gives one.")
+
+
+def _print(result, compiled: dict | None, timing: dict | None,
+           no_time: str = "step time and run length: add --device h100|h200|gb200 (or --peak-flops and --mfu).") -> None:
     from moelab.train.memory_plan import XLA_GPU_SLOP, XLA_MEM_FRACTION
 
     mesh = result.mesh
@@ -129,12 +151,12 @@ def _print(result, compiled: dict | None, timing: dict | None) -> None:
                 comm.add_row(f"{kind} (XLA)", f"{size / 1e9:,.1f}", "", style="dim")
     if comm.row_count:
         out_console.print(comm)
-    else:
+        out_console.print(f"links: {result.links.nvlink / 1e9:g} GB/s in a rack, {result.links.network / 1e9:g} GB/s "
+                          "between racks, one way.")
+    else:  # no link carries anything: their speeds would only confuse
         out_console.print("communication: none (one device)")
-    out_console.print(f"links: {result.links.nvlink / 1e9:g} GB/s in a rack, {result.links.network / 1e9:g} GB/s between "
-                      "racks, one way.")
     if timing is None:
-        out_console.print("step time and run length: add --device h100|h200|gb200 (or --peak-flops and --mfu).")
+        out_console.print(no_time)
         return
     out_console.print(
         f"[bold]time[/bold] on {timing['devices']} x {timing['device']} at MFU {timing['mfu']:.1%} ({timing['mfu_source']}): "

@@ -97,6 +97,12 @@ def train(
     verify_data: Annotated[bool, typer.Option(
         "--verify-data", help="Re-hash every token-store shard the run opens (otherwise a shard is re-hashed when "
                               "its size, mtime, inode or ctime changed since it was last verified).")] = False,
+    profile: Annotated[Optional[str], typer.Option(
+        help="START:STOP: write a JAX profiler trace of steps START+1 to STOP under OUT/profile (open its "
+             "perfetto_trace.json.gz in ui.perfetto.dev, or `tensorboard --logdir OUT/profile`), e.g. 10:15.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the resolved config and the plan's memory and step time on this machine's devices, "
+                          "then exit without training or writing anything.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a model, or resume it if OUT already holds a checkpoint of the same run.
@@ -116,6 +122,14 @@ def train(
         os.environ[REHASH_ENV] = "1"  # the environment, so data workers and Ray tasks re-hash too
     cfg = resolve_config(config, preset, sets, data, **{"train.steps": steps, "train.seed": seed,
                                                   "checkpoint.every": checkpoint_every, **mesh_fields(mesh, sets)})
+    trace = parse_profile(profile, cfg.train.steps) if profile is not None else None
+    if dry_run:
+        from moelab.cli.plan import print_plan_here
+        from moelab.config import dump_yaml
+
+        out_console.print(dump_yaml(cfg), highlight=False, markup=False)
+        print_plan_here(cfg)
+        return
     watchers = []
     if predicted is not None:
         if not predicted.is_file():
@@ -137,9 +151,29 @@ def train(
         sinks.append(_wandb_sink(cfg, out, name))
     elif name is not None:
         raise ConfigError("--name names the W&B run; add --wandb to log to W&B.")
-    summary = run_training(cfg, out, watchers, sinks)
+    summary = run_training(cfg, out, watchers, sinks, trace)
     if is_writer():  # every host returns the same summary; one prints it
         print(json.dumps(summary) if json_out else summary_line(summary, out))
+        if trace is not None and not json_out:
+            from moelab.train.outputs import PROFILE
+
+            traces = sorted((out / PROFILE).rglob("perfetto_trace.json.gz"))
+            print(f"Profile of steps {trace[0] + 1}-{trace[1]}: {traces[-1]} (ui.perfetto.dev; or tensorboard "
+                  f"--logdir {out / PROFILE})" if traces else
+                  f"No profile written: the run did not train steps {trace[0] + 1}-{trace[1]} here (resumed past them?).")
+
+
+def parse_profile(text: str, num_steps: int) -> tuple[int, int]:
+    """`--profile START:STOP` as (START, STOP), 0 <= START < STOP <= train.steps; a ConfigError naming it otherwise."""
+    start, sep, stop = text.partition(":")
+    try:
+        bounds = (int(start), int(stop)) if sep else None
+    except ValueError:
+        bounds = None
+    if bounds is None or not 0 <= bounds[0] < bounds[1] <= num_steps:
+        raise ConfigError(f"--profile={text!r} is invalid: give START:STOP with 0 <= START < STOP <= train.steps "
+                          f"({num_steps}), e.g. --profile 10:15 for steps 11 to 15 (after the first step's compile).")
+    return bounds
 
 
 def summary_line(summary: dict, out: Path) -> str:
@@ -153,6 +187,8 @@ def summary_line(summary: dict, out: Path) -> str:
     loss = f"loss {summary['loss']:.3f}" if summary.get("loss") is not None else "no step trained here"
     speed = (f"{summary['tokens_per_s']:,.0f} tokens/s" if summary.get("tokens_per_s") is not None
              else "throughput not measured (fewer than two steps ran)")
+    if summary.get("mfu") is not None:
+        speed += f" (MFU {summary['mfu']:.1%} of the datasheet peak)"
     return (f"Trained to step {summary['step']}: {loss}{held_out}, "
             f"{speed}, {incidents} incident{'' if incidents == 1 else 's'}. "
             f"Run in {out} (summary.json has every figure; --json prints it).")
@@ -167,14 +203,15 @@ def _wandb_sink(cfg: RunConfig, out: Path, name: str | None):
     return tracking.WandbSink(out, to_dict(cfg), name or cfg.name)
 
 
-def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = (), sinks: Sequence[Sink] = ()) -> dict:
+def run_training(cfg: RunConfig, out: Path, watchers: Sequence[Watcher] = (), sinks: Sequence[Sink] = (),
+                 profile: tuple[int, int] | None = None) -> dict:
     """Train with a Rich progress bar on stderr (process 0's only, on a multi-host run)."""
     from moelab.parallel import mesh as mesh_lib
     from moelab.train.loop import train as train_run
 
     mesh_lib.make_mesh(cfg.mesh)  # a mesh the devices cannot hold fails here, before a progress bar is drawn
     with training_progress(cfg) as hooks:
-        return train_run(cfg, out, hooks, watchers=watchers, sinks=sinks)
+        return train_run(cfg, out, hooks, watchers=watchers, sinks=sinks, profile=profile)
 
 
 class _StatusColumn(ProgressColumn):
@@ -188,7 +225,8 @@ class _StatusColumn(ProgressColumn):
 
 @contextlib.contextmanager
 def training_progress(cfg: RunConfig):
-    """A progress bar for one training run (steps, loss, tokens/s) on stderr; yields the loop's Hooks.
+    """A progress bar for one training run (steps, loss, tokens/s, MFU where the device's peak is known) on stderr;
+    yields the loop's Hooks.
 
     The bar appears with the first slow stage (a finished run that has nothing to do draws none),
     shows each stage before the first step ("compiling the train step 12 s"), and a resumed run
@@ -240,7 +278,8 @@ def training_progress(cfg: RunConfig):
         end_stage(by_first_step=True)
         if "forecast/final" in record:
             forecast = f"  forecast {record['forecast/final']:.3f} ({record['on_track']})"
-        progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s{forecast}",
+        mfu = f"  MFU {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+        progress.update(bar(), status=f"loss {record['loss']:.3f}  {record['tokens_per_s']:,.0f} tok/s{mfu}{forecast}",
                         since=None)
 
     def on_step(done: int) -> None:

@@ -136,7 +136,7 @@ def wandb_available() -> bool:
 
 # metrics.jsonl keys -> W&B names; router/*, router_bias/*, norm/*, eval/*, forecast/* keep theirs (the
 # README's names), other scalars go under train/.
-_WANDB_NAMES = {"tokens": "throughput/tokens", "tokens_per_s": "throughput/tokens_per_s"}
+_WANDB_NAMES = {"tokens": "throughput/tokens", "tokens_per_s": "throughput/tokens_per_s", "mfu": "throughput/mfu"}
 _WANDB_KEPT_PREFIXES = ("router/", "router_bias/", "norm/", "eval/", "forecast/")
 
 
@@ -155,7 +155,8 @@ class WandbSink(_WriterOnly):
 
     Offline (`mode="offline"`, synced later with `wandb sync OUT/wandb/offline-run-*`) unless WANDB_MODE
     is set (W&B's own setting wins) or WANDB_API_KEY is, which means online. Scalars are logged at the
-    record's step as `train/loss`, `train/lr`, `throughput/tokens_per_s`, `router/*`, `router_bias/*`, `norm/*`,
+    record's step as `train/loss`, `train/lr`, `throughput/tokens_per_s`, `throughput/mfu` (where the device's peak is
+    known), `router/*`, `router_bias/*`, `norm/*`,
     `eval/*`, `forecast/*`;
     incidents as `incidents/count` plus `incidents/<rule>`; the mixture as `mixture/weight/<domain>`
     and `mixture/tokens/<domain>`; samples as the table `samples` (all rows so far, re-logged at each eval

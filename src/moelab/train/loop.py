@@ -42,7 +42,7 @@ from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, 
 from moelab.model import decode
 from moelab.model.moe import drops_by_purpose
 from moelab.parallel import mesh as mesh_lib
-from moelab.train import outputs
+from moelab.train import outputs, run_length
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.monitor import Incident, Monitor
 from moelab.train.outputs import Sink
@@ -129,7 +129,7 @@ def run_platform() -> dict[str, Any]:
 
 
 def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, sinks: Sequence[Sink] = (),
-          watchers: Sequence[Watcher] = ()) -> dict:
+          watchers: Sequence[Watcher] = (), profile: tuple[int, int] | None = None) -> dict:
     """Train `cfg` into `out_dir`, resuming from its newest valid checkpoint if there is one.
 
     Writes the run directory of `moelab.train.outputs`: `config.yaml`, `metrics.jsonl`,
@@ -139,9 +139,11 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     also goes to each of `sinks` (e.g. `moelab.lab.tracking`'s), which `train` closes when it returns or
     raises. Each of `watchers` sees every eval's `eval/mean` (`Watcher`): with
     `moelab.ladder.on_track.load_on_track(PRED.csv)` each eval is checked against the predicted 95% band,
-    and two misses in a row are an `off_track` incident. Returns the summary: final `step`, `loss`,
+    and two misses in a row are an `off_track` incident. With `profile` (START, STOP) the JAX profiler traces
+    steps START+1 to STOP into `OUT/profile` (a Perfetto trace beside TensorBoard's). Returns the summary: final `step`, `loss`,
     `eval` and `eval_initial` per domain (with their `mean`), `eval_mean`, `tokens`, `tokens_per_s` (after
-    the first step), `compile_s` (the first step), `incidents`, `moe_drops` (what the MoE blocks drop in training,
+    the first step), `mfu` (of the devices' datasheet peak, where `run_length` knows it; also in every logged
+    record), `compile_s` (the first step), `incidents`, `moe_drops` (what the MoE blocks drop in training,
     in the evals and in the samples: `moe.drops_by_purpose`). Raises Preempted on SIGTERM / SIGINT.
 
     On a multi-host run every process trains, evaluates, saves checkpoints (Orbax coordinates
@@ -164,7 +166,7 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     except OSError as e:
         raise ConfigError(f"cannot create the output directory {out} ({e.strerror}): pass a writable path (--out).") from None
     try:
-        return _train(cfg, out, hooks, changes, mesh, corpus, held_out, sinks, watchers)
+        return _train(cfg, out, hooks, changes, mesh, corpus, held_out, sinks, watchers, profile)
     except OSError as e:  # a log or config write: a full disk, a file-size limit, a lost mount
         raise SaveFailed(f"writing {e.filename or 'a run file'} failed ({e.strerror or e}); the checkpoints saved "
                          "so far are untouched. Free disk space or fix the folder, then rerun the same command "
@@ -172,6 +174,32 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     finally:
         for sink in sinks:
             sink.close()
+
+
+@dataclass
+class _Trace:
+    """`moelab train --profile START:STOP`: the JAX profiler on from before step START+1 to after step STOP (a resumed
+    run inside the range starts at its first step), written to `folder` with a Perfetto trace."""
+
+    folder: Path
+    start: int
+    stop: int
+    running: bool = False
+
+    def before(self, step: int) -> None:
+        if not self.running and self.start <= step < self.stop:
+            jax.profiler.start_trace(str(self.folder), create_perfetto_trace=True)
+            self.running = True
+
+    def after(self, done: int) -> None:
+        if self.running and done >= self.stop:
+            self.close()
+
+    def close(self) -> None:
+        """Stops a trace under way (at STOP, or when the run stops early), so what it saw is written."""
+        if self.running:
+            self.running = False
+            jax.profiler.stop_trace()
 
 
 @dataclass
@@ -189,6 +217,7 @@ class _Run:
     train_step: Callable
     evaluate_state: Callable[[TrainState], dict[str, float]]
     sample: Callable[[TrainState, int], list[dict]]
+    trace: _Trace | None = None
     incidents: list[dict] = field(default_factory=list)
 
     def report(self, found: list[dict]) -> None:
@@ -198,7 +227,8 @@ class _Run:
 
 
 def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, corpus: Corpus,
-           held_out: dict[str, list[np.ndarray]], sinks: Sequence[Sink], watchers: Sequence[Watcher]) -> dict:
+           held_out: dict[str, list[np.ndarray]], sinks: Sequence[Sink], watchers: Sequence[Watcher],
+           profile: tuple[int, int] | None) -> dict:
     """`train` once its inputs are checked and `out` exists: build, resume, write the run's files, run the steps."""
     t, m = cfg.train, cfg.model
     checkpoints = Checkpointer(out / outputs.CHECKPOINTS, cfg.checkpoint)
@@ -251,7 +281,8 @@ def _train(cfg: RunConfig, out: Path, hooks: Hooks, changes: dict, mesh: Mesh, c
     if hooks.on_eval and start.step == 0:
         hooks.on_eval(0, eval_initial)
     logs = outputs.RunLogs(out, start.kept, sinks, writer)  # opened by the steps
-    run = _Run(cfg, mesh, corpus, hooks, watchers, checkpoints, logs, train_step, evaluate_state, sample)
+    trace = _Trace(out / outputs.PROFILE, *profile) if profile is not None else None
+    run = _Run(cfg, mesh, corpus, hooks, watchers, checkpoints, logs, train_step, evaluate_state, sample, trace)
     summary = _run_steps(run, start, eval_initial)
     outputs.write_summary(out, summary, writer)
     return summary
@@ -264,6 +295,8 @@ class _Throughput:
 
     tokens_per_step: int
     window_start: float  # from after the decode's compile: that is not training time
+    flops_per_token: int  # `accounting.flops_per_token`: the useful training FLOPs MFU counts
+    peak_flops: float | None  # every device's datasheet peak together; None where unknown (no MFU shown)
     window_steps: int = 0
     steady_since: float | None = None
     steady_steps: int = 0
@@ -287,11 +320,24 @@ class _Throughput:
     def new_window(self) -> None:
         self.window_start, self.window_steps = time.perf_counter(), 0
 
+    def mfu(self, tokens_per_s: float | None) -> float | None:
+        """Model FLOPs utilization at `tokens_per_s`: useful training FLOPs per second over the peak (None unknown)."""
+        if self.peak_flops is None or tokens_per_s is None:
+            return None
+        return self.flops_per_token * tokens_per_s / self.peak_flops
+
     def steady_tokens_per_s(self) -> float | None:
         """Every step after the first (evals and saves included); None when this process ran fewer than two."""
         if not self.steady_steps:
             return None
         return self.steady_steps * self.tokens_per_step / (time.perf_counter() - self.steady_since)
+
+
+def _peak_flops(mesh: Mesh) -> float | None:
+    """The datasheet peak of the devices the run's mesh holds, together (`run_length.datasheet_peak_flops`; not
+    every device the process sees: a one-device run on an 8-GPU host uses one), None where it is unknown."""
+    peak = run_length.datasheet_peak_flops(mesh.devices.flat[0].device_kind)
+    return None if peak is None else peak * mesh.devices.size
 
 
 def _run_steps(run: _Run, start: Start, eval_initial: dict[str, float]) -> dict:
@@ -306,7 +352,8 @@ def _run_steps(run: _Run, start: Start, eval_initial: dict[str, float]) -> dict:
         last_eval = run.evaluate_state(state)
         record = json.loads(start.kept[outputs.METRICS][-1]) if start.kept[outputs.METRICS] else {}
     monitor = Monitor(cfg.monitor)
-    with _stop_requests() as stop, logs:
+    trace = run.trace or _Trace(Path(), 0, 0)  # (0, 0): never traces
+    with _stop_requests() as stop, logs, contextlib.closing(trace):
         # No `realized_tokens` in a fresh start or a checkpoint older than the mixture log: rebuilt from the phases.
         realized = start.meta.get("realized_tokens") if start.meta else None
         mixture = MixtureLog(cfg, corpus.domains, start.step, realized,
@@ -315,15 +362,18 @@ def _run_steps(run: _Run, start: Start, eval_initial: dict[str, float]) -> dict:
             run.hooks.stage("compiling the sampler")
             logs.samples(0, run.sample(state, 0))
         run.hooks.stage("compiling the train step")
-        clock = _Throughput(accounting.tokens_per_step(cfg), time.perf_counter())
+        clock = _Throughput(accounting.tokens_per_step(cfg), time.perf_counter(), accounting.flops_per_token(m),
+                            _peak_flops(run.mesh))
         for step in range(start.step, t.steps):
             logs.mixture(mixture.before_step(step))
             _, phase = phase_at(cfg.data, step, t.steps)
             batch = sample_batch(corpus, phase.weights, t.seed, step, t.batch_size, m.seq_len)
             ceiling = jnp.float32(monitor.loss_ceiling())
+            trace.before(step)
             state, metrics = run.train_step(state, mesh_lib.place_batch(batch.tokens, run.mesh), ceiling)
             scalars = _jsonable(jax.device_get({k: v for k, v in metrics.items() if np.ndim(v) == 0}))
             done = step + 1
+            trace.after(done)  # the metrics' device_get waited for the step: the trace holds all of it
             clock.step_done()
             snapshot = mixture.after_step(done, batch)
             if snapshot is None and done == t.steps:
@@ -333,8 +383,11 @@ def _run_steps(run: _Run, start: Start, eval_initial: dict[str, float]) -> dict:
             run.report(new_incidents)
             is_eval = done % t.eval_every == 0 or done == t.steps
             if done % t.log_every == 0 or is_eval or new_incidents:
+                tokens_per_s = clock.window_tokens_per_s()
                 record = {"step": done, **scalars, "tokens": done * clock.tokens_per_step,
-                          "tokens_per_s": clock.window_tokens_per_s(), "phase": phase.name}
+                          "tokens_per_s": tokens_per_s, "phase": phase.name}
+                if clock.peak_flops is not None:
+                    record["mfu"] = clock.mfu(tokens_per_s)
                 evaluated = _log(run, state, done, record, new_incidents, is_eval)
                 last_eval = last_eval if evaluated is None else evaluated
                 clock.new_window()
@@ -402,6 +455,7 @@ def _checkpoint(run: _Run, state: TrainState, done: int, eval_initial: dict, mix
 def _summary(cfg: RunConfig, start: Start, state: TrainState, record: dict, last_eval: dict, eval_initial: dict,
              clock: _Throughput, new_incidents: int) -> dict:
     """summary.json: the run's final figures (`train`'s docstring lists them)."""
+    tokens_per_s = clock.steady_tokens_per_s()  # read once: it moves with the clock
     return {
         "step": cfg.train.steps,
         "loss": record.get("loss"),
@@ -411,7 +465,8 @@ def _summary(cfg: RunConfig, start: Start, state: TrainState, record: dict, last
         "tokens": accounting.train_tokens(cfg),
         # Steady state: every step this process ran after its first (which compiles), evals and saves
         # included; None when it ran fewer than two.
-        "tokens_per_s": clock.steady_tokens_per_s(),
+        "tokens_per_s": tokens_per_s,
+        "mfu": clock.mfu(tokens_per_s),  # of the devices' datasheet peak; None where unknown
         "compile_s": clock.compile_s,  # this process's first step (the train step's compile); None if it ran none
         "incidents": len(start.kept[outputs.INCIDENTS]) + new_incidents,
         "resumed_from": start.step or None,

@@ -40,7 +40,7 @@ from moelab.files import atomic_path
 __all__ = ["CONFIG", "METRICS", "INCIDENTS", "MIXTURE_LOG", "SAMPLES", "ROUTER_LOAD", "RESUMES", "SUMMARY",
            "DATA", "CHECKPOINTS", "LOGS", "Sink", "RunLogs", "read_jsonl", "read_jsonl_until", "read_logs_until",
            "read_summary", "finished_summary", "open_run_file", "write_config", "append_resume", "write_summary",
-           "write_data", "TOKENIZER", "write_tokenizer", "IMPORTED"]
+           "write_data", "TOKENIZER", "write_tokenizer", "IMPORTED", "PROFILE"]
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -56,6 +56,7 @@ TOKENIZER = "tokenizer.json"
 # from the imported weights with any config that keeps their shapes.
 IMPORTED = "imported.json"
 CHECKPOINTS = "checkpoints"
+PROFILE = "profile"  # `moelab train --profile`: the JAX profiler's trace (plugins/profile/<time>/)
 LOGS = (METRICS, INCIDENTS, MIXTURE_LOG, SAMPLES, ROUTER_LOAD)  # cut back to the checkpoint on a resume
 
 

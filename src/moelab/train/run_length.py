@@ -24,7 +24,8 @@ from moelab.config import RunConfig
 from moelab.errors import ConfigError
 from moelab.train.traffic import Links
 
-__all__ = ["Device", "DEVICES", "MEASURED_MFU", "SHOWN_OVERLAP", "device_named", "check_mfu", "check_peak_flops", "estimate"]
+__all__ = ["Device", "DEVICES", "MEASURED_MFU", "SHOWN_OVERLAP", "device_named", "device_of_kind", "datasheet_peak_flops", "check_mfu",
+           "check_peak_flops", "estimate"]
 
 DAY = 86_400.0
 
@@ -60,6 +61,23 @@ MEASURED_MFU = {
 # `traffic.communication`. None yet: XLA on CPU emits every collective synchronously (no start / done pairs), and
 # no GPU compile of the multi-device step has been read. A share measured on a GPU goes here, with its record.
 SHOWN_OVERLAP: dict[str, float] = {}
+
+
+# JAX's `device_kind` of each device in DEVICES, by a part of its name (an H100 PCIe is slower: not matched).
+_KINDS = (("H200", "h200"), ("H100 80GB HBM3", "h100"), ("H100 SXM", "h100"), ("GB200", "gb200"))
+
+
+def device_of_kind(device_kind: str) -> str | None:
+    """The DEVICES key of a JAX `device_kind` ("NVIDIA H200" -> "h200"); None for a device with no datasheet here
+    (a CPU, an H100 PCIe, an A100)."""
+    return next((name for part, name in _KINDS if part in device_kind), None)
+
+
+def datasheet_peak_flops(device_kind: str) -> float | None:
+    """The dense bf16 FLOP/s of one device of this JAX `device_kind`, from DEVICES; None where unknown: the loop
+    then shows no MFU rather than a guess."""
+    name = device_of_kind(device_kind)
+    return None if name is None else DEVICES[name].peak_flops
 
 
 def device_named(name: str) -> Device:
