@@ -488,7 +488,7 @@ def test_the_verdict_carries_the_predictions_trust_everywhere_it_is_shown(lab, t
                               "band95_half_width": 0.19, "verdict": "uninformative", "trusted": False}}
     extra = {"prediction.csv": pred_csv((5, 5.0, 4.5, 5.5, 4.0, 6.0), (10, 4.0, 3.8, 4.2, 3.7, 4.3)),
              "prediction.json": json.dumps(sidecar)}
-    words = "Ladder prediction 4.123 (95% band 3.500-4.750); self-check UNINFORMATIVE: not trusted"
+    words = "Ladder prediction 4.123 (95% band 3.500-4.750); self-check UNINFORMATIVE, so not trusted (the check"
     with run_files(run_dir, extra, tmp_path / "aside"):
         code, _, err = run_cli(["lab", "report", "rep-tiny", "--ledger", str(ledger), "--out", str(tmp_path / "r")],
                                monkeypatch, capsys)

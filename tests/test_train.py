@@ -239,3 +239,26 @@ def test_bfloat16_moments_are_float32_moments_rounded_and_the_update_computed_in
                     np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=2**-8, atol=1e-30)
     for a, b in zip(jax.tree.leaves(updates[1]["narrow"]), jax.tree.leaves(updates[1]["wide"])):
         assert np.max(np.abs(a - b)) <= 2**-6 * np.max(np.abs(b)) + 1e-12
+
+
+def test_ctrl_c_before_the_first_checkpoint_leaves_nothing_half_made_and_says_rerun(tmp_path, monkeypatch):
+    """Ctrl-C while the model builds (before the steps' own signal handler, issue 62): `Preempted` (exit 75, as
+    the README says of Ctrl-C) with nothing saved; a run folder this run created is removed, and in a folder that
+    was there before only the empty `checkpoints/` it made goes."""
+    from moelab.errors import Preempted
+    from moelab.train import loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "init_sharded_state", interrupted)
+    cfg = presets.resolve("tiny", {"train.steps": 2})
+    with pytest.raises(Preempted, match=r"before the first checkpoint: nothing was saved, and .*run, which this run "
+                                        r"created, is removed\. Rerun the same command to start") as stopped:
+        train(cfg, tmp_path / "run")
+    assert stopped.value.path is None and not (tmp_path / "run").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with pytest.raises(Preempted, match="nothing was saved. Rerun"):
+        train(cfg, mine)
+    assert mine.is_dir() and not (mine / "checkpoints").exists()

@@ -21,12 +21,21 @@ class DataError(ValueError):
 
 
 class Preempted(Exception):
-    """Training stopped on SIGTERM / SIGINT after saving a checkpoint; rerun the same command to resume."""
+    """Training stopped on SIGTERM / SIGINT after saving a checkpoint; rerun the same command to resume.
 
-    def __init__(self, step: int, path: Path):
-        super().__init__(f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume.")
+    `path` None: stopped before this run had a checkpoint to save (building, compiling), with nothing half-made
+    left behind (`note` says what was removed); rerunning starts it.
+    """
+
+    def __init__(self, step: int, path: Path | None, note: str = ""):
+        if path is None:
+            message = (f"stopped at step {step}, before the first checkpoint: nothing was saved{note}. Rerun the same "
+                       "command to start.")
+        else:
+            message = f"stopped at step {step}; checkpoint saved in {path}. Rerun the same command to resume."
+        super().__init__(message)
         self.step = step
-        self.path = Path(path)
+        self.path = None if path is None else Path(path)
 
 
 class SaveFailed(RuntimeError):

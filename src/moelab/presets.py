@@ -170,9 +170,9 @@ PRESETS = {
     **{f"ladder-d{d}": (lambda d=d, layers=layers: _ladder(d, layers),
                         f"Ladder rung of the frontier recipe: d {d}, {layers} layers, {d // 128} heads.")
        for d, layers in FRONTIER_LADDER},
-    "gpu-small": (_gpu_small, ("One-H200 benchmark MoE: d 1024, 12 layers, 64 experts top-8 of 512, 2 shared, "
+    "gpu-small": (_gpu_small, ("One-H200 benchmark MoE: d 1024, 12 layers, 64 experts top-8 (width 512), 2 shared, "
                                "latent 512, seq 2048, bf16.")),
-    "gpu-medium": (_gpu_medium, ("One-H200 benchmark MoE: d 2048, 16 layers, 64 experts top-8 of 1024, 2 shared, "
+    "gpu-medium": (_gpu_medium, ("One-H200 benchmark MoE: d 2048, 16 layers, 64 experts top-8 (width 1024), 2 shared, "
                                  "latent 1024, seq 4096, bf16, dots remat.")),
     "gpu-small-dense": (lambda: dense_counterpart(_gpu_small()), "Dense model with gpu-small's active FLOPs per token."),
     "gpu-medium-dense": (lambda: dense_counterpart(_gpu_medium()), "Dense model with gpu-medium's active FLOPs per token."),

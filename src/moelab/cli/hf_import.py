@@ -35,8 +35,13 @@ def import_cmd(
     """Import a published MoE checkpoint (Mixtral, Glm4Moe, Qwen3-MoE, OLMoE) as a moelab run.
 
     Writes OUT/config.yaml, OUT/checkpoints/0, imported.json and the checkpoint's tokenizer.json; `moelab train
-    OUT/config.yaml --out OUT` continues from it. A config value moelab does not model (a sliding window, dense
-    first layers, ...) is refused naming the field.
+    OUT/config.yaml --out OUT` continues from it. Dense first layers import as model.dense_layers; a value moelab
+    does not model (a sliding window, dense layers elsewhere, a rope_scaling, ...) is refused naming the field.
+
+    What the checkpoint does not say is moelab's default, to change with --set when training: model.seq_len is
+    the model's max_position_embeddings up to 4096; model.moe.dispatch is capacity (factor 1.15: a token past an
+    expert's capacity is dropped; dropless drops none); the train section is the tiny preset's (lr 0.003, 300
+    steps, batch 16, 30 warmup steps).
     """
     from moelab.config import MeshConfig
     from moelab.export.hf_import import import_checkpoint

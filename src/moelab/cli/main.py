@@ -38,7 +38,7 @@ from moelab.errors import ConfigError, DataError, Preempted, SaveFailed
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Train Mixture-of-Experts LMs as an open lab.")
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="markdown", help="Train Mixture-of-Experts LMs as an open lab.")
 app.add_typer(lab_app, name="lab")
 app.add_typer(ladder_app, name="ladder")
 app.add_typer(data_app, name="data")
@@ -71,6 +71,10 @@ def main() -> None:
         sys.exit(1)
     except Preempted as e:
         print_problem("Preempted", str(e), style="bold yellow")
+        if e.path is None:  # Ctrl-C while XLA compiled: a hard exit, as `_aborted` explains
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_PREEMPTED)
         sys.exit(EXIT_PREEMPTED)
     except (ConfigError, DataError) as e:
         if os.environ.get("MOELAB_DEBUG"):

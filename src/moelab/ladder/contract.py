@@ -249,11 +249,11 @@ def trust_text(t: dict | None) -> str:
     if t is None:
         return "No ladder prediction stands behind this run."
     status = t["self_check"]
-    meaning = {"passed": "trusted", "failed": "not trusted: the law missed its own largest rung",
-               "uninformative": "not trusted: the check's band is too wide to tell a good recipe from a bad one",
-               "skipped": "unchecked: too few rung sizes to hold one out"}.get(status, "not trusted")
+    meaning = {"passed": "trusted", "failed": "not trusted (the law missed its own largest rung)",
+               "uninformative": "not trusted (the check's band is too wide to tell a good recipe from a bad one)",
+               "skipped": "unchecked (too few rung sizes to hold one out)"}.get(status, "not trusted")
     return (f"Ladder prediction {t['predicted']:.3f} (95% band {t['lo95']:.3f}-{t['hi95']:.3f}); self-check "
-            f"{status.upper()}: {meaning}.")
+            f"{status.upper()}, so {meaning}.")
 
 
 def keep_copy(pred_path: str | Path, run_dir: str | Path) -> Path:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+import shutil
 import signal
 import threading
 import time
@@ -49,6 +50,7 @@ from moelab.train.outputs import Sink
 from moelab.train.resume import Start, check_config, check_same_store, restore, store_hash
 from moelab.train.state import TrainState, compute_dtype, init_sharded_state, weights_sha256
 from moelab.train.step import evaluate, make_eval_step, make_train_step
+from moelab.train.weights import checkpoint_steps
 
 __all__ = ["Hooks", "Watcher", "prepare_corpus", "run_platform", "train"]
 
@@ -161,12 +163,15 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     held_out = {d: eval_batches(corpus, d, t.eval_batches, t.batch_size, m.seq_len) for d in corpus.domains}  # likewise
     if out.exists() and not out.is_dir():
         raise ConfigError(f"the output directory {out} is an existing file: pass a directory path (--out).")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create the output directory {out} ({e.strerror}): pass a writable path (--out).") from None
     try:
         return _train(cfg, out, hooks, changes, mesh, corpus, held_out, sinks, watchers, profile)
+    except KeyboardInterrupt:  # Ctrl-C outside the steps' own handler: building, compiling, the first eval
+        raise _stopped_before_a_checkpoint(out, created) from None
     except OSError as e:  # a log or config write: a full disk, a file-size limit, a lost mount
         raise SaveFailed(f"writing {e.filename or 'a run file'} failed ({e.strerror or e}); the checkpoints saved "
                          "so far are untouched. Free disk space or fix the folder, then rerun the same command "
@@ -174,6 +179,21 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
     finally:
         for sink in sinks:
             sink.close()
+
+
+def _stopped_before_a_checkpoint(out: Path, created: bool) -> Preempted:
+    """Ctrl-C before the steps' signal handler was on: with a checkpoint in `out` (a resume, or a save this run
+    made) it stays as it is, as after a preemption; with none, what this run made goes: `out` if it created it,
+    else its empty `checkpoints/` (a rerun rewrites the rest). Preempted either way: exit 75, rerun to go on."""
+    steps = checkpoint_steps(out)
+    if steps:
+        return Preempted(max(steps), out / outputs.CHECKPOINTS / str(max(steps)))
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return Preempted(0, None, f", and {out}, which this run created, is removed")
+    with contextlib.suppress(OSError):
+        (out / outputs.CHECKPOINTS).rmdir()  # only if empty
+    return Preempted(0, None)
 
 
 @dataclass
