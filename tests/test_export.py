@@ -92,7 +92,21 @@ def test_sigmoid_routed_models_export_as_glm4_moe_with_moelabs_dropless_logits(t
 
 def test_a_latent_model_exports_in_moelabs_layout_naming_what_transformers_lacks():
     layout, why = writer.choose_layout(TINY.model, transformer.init_router_bias(TINY.model))
-    assert layout == "moelab" and "model.moe.latent_dim=32" in why and "Glm4MoeForCausalLM" in why
+    assert layout == "moelab" and "model.moe.latent_dim=32" in why
+    for hf_class in writer.HF_CLASSES.values():  # the refusal names what rules out each of the four
+        assert f"not {hf_class}: " in why
+
+
+@pytest.mark.parametrize("qk_norm, dense_layers, layout", [
+    ("head", 1, "qwen3_moe"), ("full", 0, "olmoe"), (None, 0, "mixtral")])
+def test_a_softmax_model_trained_from_scratch_exports_as_the_class_that_computes_it(qk_norm, dense_layers, layout):
+    """Softmax routing, no shared experts, latent or bias: per-head QK-norm (with dense first blocks) is
+    Qwen3-MoE's, QK-norm over the projection OLMoE's, none Mixtral's; an imported run tries its own class first."""
+    m = dataclasses.replace(TINY.model, qk_norm=qk_norm, dense_layers=dense_layers, moe=dataclasses.replace(
+        TINY.model.moe, router_score="softmax", num_shared_experts=0, latent_dim=None, balancing="none"))
+    bias = transformer.init_router_bias(m)
+    assert writer.choose_layout(m, bias) == (layout, None)
+    assert writer.choose_layout(m, bias, writer.HF_CLASSES[layout])[0] == layout
 
 
 @pytest.fixture(scope="module")

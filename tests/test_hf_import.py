@@ -152,16 +152,21 @@ def _transformers_forward(model, tokens) -> tuple[np.ndarray, list]:
     return logits.numpy(), routed
 
 
-@pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "glm4_moe", "qwen3_moe", "olmoe"])
 def test_import_export_import_gives_back_the_tensors_and_the_params(imported, name, tmp_path):
-    """Import -> export writes the original checkpoint's tensors (same names, bitwise; Glm4Moe's dense first block
-    included); export -> import reads the same params and router bias back, bitwise."""
+    """Import -> export writes the original checkpoint's class and tensors (same names, bitwise; the dense first
+    blocks included), and `--check` passes on it; export -> import reads the same params and router bias back,
+    bitwise."""
     from safetensors.numpy import load_file
+
+    from moelab.export.check import check_export
 
     _, folder, _, out = imported[name]
     run = load_run(out)
-    result = writer.export_run(run, tmp_path / "export")
-    assert result["layout"] == name
+    result = writer.export_run(run, tmp_path / "export", source=out)
+    assert result["layout"] == name and result["hf_class"] == json.loads((folder / "config.json").read_text())[
+        "architectures"][0]
+    assert check_export(tmp_path / "export", run)["passed"]
     original = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
     exported = {k: v for f in sorted((tmp_path / "export").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert set(original) <= set(exported)
@@ -328,3 +333,11 @@ def test_a_config_that_reshapes_the_imported_weights_is_refused_naming_only_what
                             "model.moe.expert_dim=32", "--set", "model.moe.dispatch=dropless"], monkeypatch, capsys)
     text = " ".join(err.split())
     assert code == 2 and "model.moe.expert_dim changes their shapes" in text and "dispatch" not in text.split("shapes")[0]
+
+
+def test_moelabs_own_export_layout_is_refused_by_import_saying_how_to_load_it(tmp_path):
+    from moelab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="moelab's own export layout, not a transformers checkpoint: load it with "
+                                          "moelab.export.writer.load_export"):
+        hf_import.model_config({"format": "moelab", "model": {}}, tmp_path / "config.json")

@@ -38,13 +38,15 @@ def export(
 ) -> None:
     """Export a run for other tools: a transformers class where one computes exactly moelab's function.
 
-    Writes OUT/model.safetensors (or shards and an index), config.json, tokenizer.json and README.md. A
-    softmax-routed model without shared experts, latent or router bias loads as MixtralForCausalLM; a
-    sigmoid-routed one (with its balancing bias, shared experts, no latent) as Glm4MoeForCausalLM (DeepSeek-V3's
-    MoE block with GQA attention); any other (LatentMoE) keeps moelab's tree names plus router_bias
-    (README.md says how to load it back), and --check refuses it.
+    Writes OUT/model.safetensors (or shards and an index), config.json, tokenizer.json and README.md, as the
+    first transformers class that computes the model exactly (a run imported from one tries it first): a
+    softmax-routed model without shared experts, latent, QK-norm or router bias as MixtralForCausalLM; a
+    sigmoid-routed one (its balancing bias, shared experts) as Glm4MoeForCausalLM (DeepSeek-V3's MoE block with
+    GQA attention); a softmax-routed one with per-head QK-norm as Qwen3MoeForCausalLM, with QK-norm over the
+    projection as OlmoeForCausalLM. Any other (LatentMoE) keeps moelab's tree names plus router_bias (README.md
+    says how to load it back; the summary names what rules out each class), and --check refuses it.
     """
-    from moelab.export.writer import DTYPES, choose_layout, export_run
+    from moelab.export.writer import DTYPES, choose_layout, export_run, imported_class
     from moelab.train.weights import load_run
 
     if not max_shard_gb > 0:
@@ -54,7 +56,7 @@ def export(
     if out.exists() and not force:  # before loading anything
         raise ConfigError(f"export target {out} already exists; pass --force to replace it, or another --out.")
     weights = load_run(run, tokenizer)
-    layout, why = choose_layout(weights.cfg.model, weights.router_bias)
+    layout, why = choose_layout(weights.cfg.model, weights.router_bias, imported_class(run))
     if check and layout == "moelab":
         raise ConfigError(f"--check compares the export with transformers, but no transformers class computes this "
                           f"model exactly: {why}. Export without --check for moelab's own layout (README.md in it "

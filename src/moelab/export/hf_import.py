@@ -214,6 +214,10 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
     """
     archs = hf.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
+    if hf.get("format") == "moelab":  # `moelab export` of a model no transformers class computes (LatentMoE)
+        raise ConfigError(f"{path}: this is moelab's own export layout, not a transformers checkpoint: load it with "
+                          "moelab.export.writer.load_export (its README.md says how), or train on from the run it was "
+                          "exported from; `moelab import` reads " + ", ".join(ARCHITECTURES) + ".")
     if arch not in ARCHITECTURES:  # a tuple: an unhashable entry is refused, not a TypeError
         raise ConfigError(f"{path}: architectures={archs!r} is not one moelab imports: {', '.join(ARCHITECTURES)}.")
     spec = _IMPORTS[arch]

@@ -46,15 +46,19 @@ from moelab.config import ModelConfig, from_dict, to_dict
 from moelab.errors import ConfigError, DataError
 from moelab.export.glm4_moe import glm4_moe_config, glm4_moe_mismatch, glm4_moe_tensors
 from moelab.export.llama import as_dtype, decoder_tensors
+from moelab.export.softmax_moe import (olmoe_config, olmoe_mismatch, qwen3_moe_config, qwen3_moe_mismatch,
+                                       softmax_moe_tensors)
 
 __all__ = ["mixtral_mismatch", "mixtral_tensors", "mixtral_config", "moelab_tensors", "choose_layout", "export_run",
-           "load_export", "byte_tokenizer_json", "MAX_SHARD_BYTES", "WEIGHTS", "INDEX", "DTYPES", "HF_CLASSES"]
+           "load_export", "imported_class", "byte_tokenizer_json", "MAX_SHARD_BYTES", "WEIGHTS", "INDEX", "DTYPES", "HF_CLASSES"]
 
 MAX_SHARD_BYTES = 5 * 2**30  # the Hugging Face default shard size
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
-HF_CLASSES = {"mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}  # layout -> transformers class
+# layout -> transformers class, in the order `choose_layout` tries them
+HF_CLASSES = {"mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "olmoe": "OlmoeForCausalLM"}
 
 
 def mixtral_mismatch(cfg: ModelConfig, router_bias: Any) -> str | None:
@@ -82,15 +86,19 @@ def mixtral_mismatch(cfg: ModelConfig, router_bias: Any) -> str | None:
     return None
 
 
-def choose_layout(cfg: ModelConfig, router_bias: Any) -> tuple[str, str | None]:
-    """The layout that expresses this model exactly: ("mixtral" | "glm4_moe", None), else ("moelab", why not)."""
-    not_mixtral = mixtral_mismatch(cfg, router_bias)
-    if not_mixtral is None:
-        return "mixtral", None
-    not_glm4_moe = glm4_moe_mismatch(cfg)
-    if not_glm4_moe is None:
-        return "glm4_moe", None
-    return "moelab", f"not {HF_CLASSES['mixtral']}: {not_mixtral}; not {HF_CLASSES['glm4_moe']}: {not_glm4_moe}"
+def choose_layout(cfg: ModelConfig, router_bias: Any, prefer: str | None = None) -> tuple[str, str | None]:
+    """The layout that expresses this model exactly, `prefer` first (the class a run was imported from): (a key of
+    HF_CLASSES, None), else ("moelab", why not each, naming the field that rules it out)."""
+    mismatches = {"mixtral": lambda: mixtral_mismatch(cfg, router_bias), "glm4_moe": lambda: glm4_moe_mismatch(cfg),
+                  "qwen3_moe": lambda: qwen3_moe_mismatch(cfg, router_bias),
+                  "olmoe": lambda: olmoe_mismatch(cfg, router_bias)}
+    order = sorted(mismatches, key=lambda layout: HF_CLASSES[layout] != prefer)  # stable: the rest keep theirs
+    why = {}
+    for layout in order:
+        why[layout] = mismatches[layout]()
+        if why[layout] is None:
+            return layout, None
+    return "moelab", "; ".join(f"not {HF_CLASSES[layout]}: {why[layout]}" for layout in HF_CLASSES)
 
 
 def mixtral_tensors(params: dict, dtype: np.dtype = DTYPES["float32"]) -> dict[str, np.ndarray]:
@@ -219,6 +227,16 @@ def _readme(cfg: ModelConfig, layout: str, why: str | None, step: int, run_name:
             f"{use}\nFiles: {', '.join(files)}, config.json, tokenizer.json.\n")
 
 
+def imported_class(run_dir: str | Path) -> str | None:
+    """The transformers class a run was imported from (its `imported.json`), None for a run trained from scratch
+    or a folder that is not a run."""
+    path = Path(run_dir) / "imported.json"
+    try:
+        return json.loads(path.read_text()).get("architecture")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
                source: str | Path = "a moelab run", dtype: str = "float32") -> dict:
     """Write `run` (a `moelab.train.weights.RunWeights`) to the folder `out`; returns what was written.
@@ -227,7 +245,7 @@ def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_byte
     the building machine's paths). `dtype` is "float32" or "bfloat16".
 
     Returns:
-        {"out", "layout" ("mixtral", "glm4_moe" or "moelab"), "hf_class" (None for moelab), "why" (why not a
+        {"out", "layout" (a key of HF_CLASSES, or "moelab"), "hf_class" (None for moelab), "why" (why not a
         transformers class; None for those), "dtype", "files", "bytes"}.
     """
     if dtype not in DTYPES:
@@ -238,13 +256,16 @@ def export_run(run: Any, out: str | Path, *, force: bool = False, max_shard_byte
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export target {out} is a file; give a folder path as --out.")
     cfg = run.cfg.model
-    layout, why = choose_layout(cfg, run.router_bias)
+    layout, why = choose_layout(cfg, run.router_bias, imported_class(source))
     eos_id, np_dtype = run.tokenizer.eos_id, DTYPES[dtype]
     if layout == "mixtral":
         tensors, config = mixtral_tensors(run.params, np_dtype), mixtral_config(cfg, eos_id, dtype)
     elif layout == "glm4_moe":
         tensors = glm4_moe_tensors(run.params, np.asarray(run.router_bias), cfg, np_dtype)
         config = glm4_moe_config(cfg, eos_id, dtype)
+    elif layout in ("qwen3_moe", "olmoe"):
+        tensors = softmax_moe_tensors(run.params, cfg, np_dtype)
+        config = (qwen3_moe_config if layout == "qwen3_moe" else olmoe_config)(cfg, eos_id, dtype)
     else:
         tensors = moelab_tensors(run.params, run.router_bias, np_dtype)
         config = {"format": "moelab", "step": run.step, "eos_token_id": eos_id, "dtype": dtype, "model": to_dict(cfg)}
