@@ -4,6 +4,7 @@ of XLA's compiled memory analysis, the frontier fits its rack, and bad input exi
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -363,3 +364,22 @@ def test_the_residuals_read_off_the_jaxpr_are_the_ones_jax_prints():
     x, w = jax.ShapeDtypeStruct((4, 8), jnp.float32), jax.ShapeDtypeStruct((8, 8), jnp.float32)
     for fn, args in ((loss, (params, tokens, bias)), (outside_a_scan, (x, w))):
         assert ours(fn, *args) == printed(fn, *args)
+
+
+def test_the_plan_reads_true_for_one_device_and_for_a_config_that_does_not_fit(monkeypatch, capsys):
+    """Issue 62: one device says no link and no communication; a step time for a config that does not fit carries
+    a caveat; the recompute warning promises a setting only where one is listed, with the docs' 0.95; a word on
+    what dominates the step."""
+    code, out, err = run_cli(["plan", "--preset", "gpu-medium", "--device", "h100"], monkeypatch, capsys)
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "links:" not in text and "communication: none (one device)" in text
+    assert "(one device: nothing to communicate)" in text and "across racks" not in text
+    assert "as if it fit: it does not (87.7 GB of 80.0 GB)" in text and "take a setting above" in text
+    assert "attention fused, as XLA compiles it on a GPU" in text
+    code, out, err = run_cli(["plan", "--preset", "frontier-535b", "--mesh", "replica=11,expert=64", "--device",
+                              "h200"], monkeypatch, capsys)
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95." in text and "no single setting makes it fit" in text
+    assert "take a setting above" not in text and re.search(r"Compute dominates \(\d+% of the step\)", text)

@@ -117,7 +117,9 @@ def _print(result, compiled: dict | None, timing: dict | None,
     mesh = result.mesh
     out_console.print(f"[bold]{result.name}[/bold] on replica={mesh['replica']} x expert={mesh['expert']}, "
                       f"shard={mesh['shard']}: {result.microbatches} microbatch(es) of {result.rows_per_microbatch} "
-                      f"sequence(s) a device, attention as on {result.platform}")
+                      f"sequence(s) a device, attention "
+                      + ("fused, as XLA compiles it on a GPU" if result.platform == "gpu" else
+                         "with its scores materialized, as XLA compiles it on a CPU"))
     table = Table("per device", "GB", "share")
     for term, size in result.terms.items():
         if size:
@@ -134,12 +136,13 @@ def _print(result, compiled: dict | None, timing: dict | None,
                           f"{result.largest}.")
         if result.compiler_recomputes:
             out_console.print(
-                f"  [yellow]XLA will recompute[/yellow]: the step's temporaries "
+                f"  [yellow]{'it fits in memory, but ' if result.fits else ''}XLA will recompute[/yellow]: the "
+                "step's temporaries "
                 f"({(result.total - result.state) / 1e9:,.1f} GB) exceed what XLA's GPU compiler allows them "
                 f"({result.compiler_limit() / 1e9:,.1f} GB: {XLA_GPU_SLOP} x ({XLA_MEM_FRACTION} "
                 "of HBM - the state)), so it rematerializes on "
-                "its own, silently, at a cost in step time. Raise XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.9) or take "
-                "a tip below.")
+                "its own, silently, at a cost in step time. Run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95"
+                + (" or take a setting below." if result.advice else "."))
     _print_advice(result)
     comm = Table("per step, per device", "GB sent", "seconds", title="communication (the collectives of the compiled step)")
     for kind, size in result.comm.items():
@@ -158,11 +161,20 @@ def _print(result, compiled: dict | None, timing: dict | None,
     if timing is None:
         out_console.print(no_time)
         return
+    if result.hbm is not None and not result.fits:
+        out_console.print(f"  [yellow]as if it fit[/yellow]: it does not ({result.total / 1e9:,.1f} GB of "
+                          f"{result.hbm / 1e9:,.1f} GB), so this step time is for a run that cannot start as "
+                          "configured; " + ("take a setting above, " if result.advice else "")
+                          + "more devices or more memory first.")
+    parts = (f"compute {timing['compute_seconds']:,.2f} s + communication {timing['in_rack_seconds']:,.2f} s in the "
+             f"rack and {timing['across_racks_seconds']:,.2f} s across racks: {timing['step_seconds']:,.2f} s a step "
+             "without overlap" if comm.row_count else
+             f"compute {timing['compute_seconds']:,.2f} s a step (one device: nothing to communicate)")
     out_console.print(
         f"[bold]time[/bold] on {timing['devices']} x {timing['device']} at MFU {timing['mfu']:.1%} ({timing['mfu_source']}): "
-        f"compute {timing['compute_seconds']:,.2f} s + communication {timing['in_rack_seconds']:,.2f} s in the rack and "
-        f"{timing['across_racks_seconds']:,.2f} s across racks: {timing['step_seconds']:,.2f} s a step without overlap. "
-        f"{timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{_duration(timing['days'])}[/bold].")
+        f"{parts}. {timing['steps']:,} steps ({timing['tokens']:.3g} tokens): [bold]{_duration(timing['days'])}[/bold].")
+    if comm.row_count:
+        out_console.print("  " + _dominant(result, timing))
     if timing["step_seconds_overlapped"] < timing["step_seconds"]:
         out_console.print(f"  with the overlap a compiled schedule shows: {timing['step_seconds_overlapped']:,.2f} s a "
                           f"step, {_duration(timing['days_overlapped'])}.")
@@ -170,6 +182,28 @@ def _print(result, compiled: dict | None, timing: dict | None,
         out_console.print(f"  at most {timing['all_to_all_hideable_seconds']:,.2f} s of the all-to-all could hide behind "
                           "the expert GEMMs of the next wave: a bound no compiled schedule has shown yet "
                           "(docs/scaling-out.md, \"Overlap\").")
+
+
+def _dominant(result, timing: dict) -> str:
+    """What a step's time goes to, in words, and what to change: the largest term of compute, the collectives in
+    the rack and those across racks."""
+    terms = {"compute": timing["compute_seconds"], "in_rack": timing["in_rack_seconds"],
+             "across": timing["across_racks_seconds"]}
+    step = timing["step_seconds"]
+    largest = max(terms, key=terms.get)
+    share = f"{terms[largest] / step:.0%} of the step"
+    if largest == "compute":
+        return (f"Compute dominates ({share}): the step is as fast as the MFU allows; a faster kernel (a higher MFU) "
+                "or more devices shortens it, communication would not.")
+    kinds = {k: v for k, v in result.comm_seconds.items() if v and (k.endswith("across_racks") == (largest == "across"))}
+    top = max(kinds, key=kinds.get).replace("_", " ") if kinds else "the collectives"
+    if largest == "in_rack":
+        return (f"Communication in the rack dominates ({share}; most of it the {top}): LatentMoE "
+                "(model.moe.latent_dim: fewer bytes through the all-to-all) or faster links help "
+                "(docs/scaling-out.md).")
+    return (f"Communication across racks dominates ({share}; most of it the {top}): only the gradient crosses "
+            "racks, once a step; train.grad_reduce_dtype=bfloat16 halves its bytes, and a larger batch (fewer "
+            "steps for the tokens) or a faster network between racks shortens it (docs/scaling-out.md).")
 
 
 def _print_advice(result) -> None:
