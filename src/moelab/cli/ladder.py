@@ -211,8 +211,8 @@ def _print_fit(summary: dict, verbose: bool = False) -> None:
                           f"{check['final_error']:+.2%} off at the end, {check['band95_coverage']:.0%} of its evals "
                           "inside the band.)")
     for note in summary["notes"]:
-        loud = note.startswith("SELF-CHECK")
-        print_problem("FAILED" if note.startswith("SELF-CHECK FAILED") else "Not trusted" if loud else "Note", note,
+        loud = note.startswith("SELF-CHECK")  # its verdict is the line above: here, only why (said once)
+        print_problem("Why" if loud else "Note", note.split(": ", 1)[1] if loud else note,
                       "bold red" if loud else "yellow")
     if not verbose:
         out_console.print("[dim]The fitted law, its noise and its prior: --verbose, or the sidecar.[/]")

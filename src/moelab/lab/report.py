@@ -345,17 +345,18 @@ def _reproducibility(experiment: Experiment, run: RunFiles, ledger: Ledger, repo
             f"moelab train {CONFIG} --out .\n"
             f"# the ledger still holds every record this report read (fails if rows were cut off or rewritten):\n"
             f"moelab lab verify --ledger {book} --head {chain.head_hash}")
-    _reproductions(sec, experiment)
+    _reproductions(sec, experiment, book)
     return sec
 
 
-def _reproductions(sec: Section, experiment: Experiment) -> None:
+def _reproductions(sec: Section, experiment: Experiment, book: str) -> None:
     """The experiment's reruns by `moelab lab reproduce` (ledger records of event `reproduction`), each step's
-    verdict and first difference; the record names the original run records it was compared with."""
+    verdict and first difference; the record names the original run records it was compared with. None yet: the
+    commands that make one, as they paste (`book`: the ledger's path from the report's folder, as above)."""
     done = [r for r in experiment.runs if r.body.get("event") == REPRODUCTION]
     if not done:
-        sec.p(f"Not reproduced yet: `moelab lab export {experiment.id} --out BUNDLE`, then `moelab lab reproduce "
-              "BUNDLE` reruns it at its commit and compares.")
+        sec.p("Not reproduced yet. To rerun it at its commit and compare, from the same folder as the commands above:")
+        sec.pre(f"moelab lab export {experiment.id} --ledger {book} --out BUNDLE\nmoelab lab reproduce BUNDLE")
         return
     rows, platforms = [], {True: "same", False: "other", None: "unknown"}
     for r in done:

@@ -280,7 +280,8 @@ def _advice(summary: dict, largest: float) -> dict | None:
         advice["rung"] = target["params"] / 3
         text += (f"; add a rung of about {target['params'] / 3:.3g} active parameters (a third of the target's; the "
                  f"largest now has {largest:.3g}), so the self-check predicts a size nearer the target")
-    advice["text"] = text + ". `moelab ladder plan RECIPE --fix --runs LADDER_OUT` writes the seeds into the recipe."
+    advice["text"] = text + (". For a ladder moelab trained, `moelab ladder plan` of its recipe file with `--fix --runs` "
+                             "and the ladder's output folder writes the seeds into the recipe.")
     return advice
 
 
