@@ -15,7 +15,7 @@ from helpers import run_cli
 from moelab.errors import DataError
 from moelab.ladder.bands import bootstrap_curve_law, predict_with_bands, score, shared_noise
 from moelab.ladder.contract import read_curves
-from moelab.ladder.curve import CurveLaw, Run, curve_loss, fitted_rows
+from moelab.ladder.curve import curve_loss, fitted_rows
 from moelab.ladder.fit import fit_curve_law
 from moelab.ladder.drift import FRACTIONS, Drift
 from moelab.ladder.forecast import HALF_LIFE, ForecastFinal
