@@ -509,6 +509,14 @@ def test_the_verdict_carries_the_predictions_trust_everywhere_it_is_shown(lab, t
     assert 'prediction: <span class="badge uninformative">uninformative</span>' in index
     page = next((tmp_path / "site" / "exp").glob("*.html")).read_text()
     assert words in page
+    # Issue 62: a verdict beside an untrusted prediction says whose it is, and the curve's evals against the band
+    # are counted where the curve is shown (the band [3.7, 4.3] at step 10 holds no tiny eval/mean near 5).
+    alone = "CONFIRMED, is the pre-registered threshold&#x27;s alone"
+    assert alone in page and alone.replace("&#x27;", "'") in " ".join(out.split())
+    report = (tmp_path / "r" / "report.html").read_text()
+    assert alone in section(report, "hypothesis")
+    for text in (section(report, "loss-curve"), page):
+        assert re.search(r"eval/mean: \d+ of \d+ evals fell outside the ladder(&#x27;|')s 95% band, the first at step \d+", text)
 
 
 def test_report_table_cells_break_only_long_tokens_never_words():

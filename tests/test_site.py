@@ -107,8 +107,9 @@ def test_the_index_lists_every_experiment_with_its_status_prediction_outcome_and
     index = (site / INDEX).read_text()
     assert "The lab: 5 experiments" in index
     confirmed, refuted = _row(index, "s-confirmed"), _row(index, "s-refuted")
-    assert "finished" in confirmed and "confirmed" in confirmed and "eval/mean 5 in [-inf, 10]" in confirmed
-    assert "finished" in refuted and "refuted" in refuted and "in [-inf, 0.5]" in refuted
+    assert "finished" in confirmed and "confirmed" in confirmed
+    assert "pre-registered: eval/mean expected 5 (threshold at most 10)" in confirmed
+    assert "finished" in refuted and "refuted" in refuted and "(threshold at most 0.5)" in refuted
     assert "registered" in _row(index, "s-amended") and "amended: the band moves to 9 nats" in _row(index, "s-amended")
     assert "failed" in _row(index, "s-failed") and "train failed" in _row(index, "s-failed")
     assert "abandoned: the budget moved to s-amended" in _row(index, "s-abandoned")

@@ -46,5 +46,5 @@ def demo(
 
     out_console.print(verdict_sentence(result.verdict, result.metric, result.value, "Hypothesis verdict"),
                       highlight=False)
-    out_console.print(trust_text(result.trust), highlight=False)
+    out_console.print(trust_text(result.trust, result.verdict), highlight=False)
     out_console.print(f"Report: {result.report}")

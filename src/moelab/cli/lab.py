@@ -167,7 +167,7 @@ def _verdict_and_trust(experiment) -> str | None:
         verdict, value, trust = experiment_verdict(experiment)
     except ConfigError:  # not run yet, or its directory is gone: the record above says which
         return None
-    return f"{verdict_sentence(verdict, experiment.spec.prediction.metric, value)}. {trust_text(trust)}"
+    return f"{verdict_sentence(verdict, experiment.spec.prediction.metric, value)}. {trust_text(trust, verdict)}"
 
 
 def verdict_sentence(verdict: str, metric: str, value: float | None, label: str = "Verdict") -> str:

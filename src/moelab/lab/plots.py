@@ -271,7 +271,7 @@ def line_plot(series: dict[str, tuple[list, list]], title: str, ylabel: str, ban
 
 
 def forecast_plot(metrics: list[dict], band: dict) -> str:
-    """The live forecast of the final loss at each eval against the pre-registered final band (flat)."""
+    """The live forecast of the final loss at each eval against the ladder's predicted final band (flat)."""
     steps, final = series(metrics, "forecast/final")
     _, lo = series(metrics, "forecast/lo95")
     _, hi = series(metrics, "forecast/hi95")
@@ -279,11 +279,11 @@ def forecast_plot(metrics: list[dict], band: dict) -> str:
     f = _frame(steps, _padded([*final, *lo, *hi, fixed_lo, fixed_hi, fixed]))
     strip = (f'<rect x="{f.left}" y="{f.py(fixed_hi):.1f}" width="{f.right - f.left}" '
              f'height="{f.py(fixed_lo) - f.py(fixed_hi):.1f}" fill="{_BAND}" fill-opacity="0.15">'
-             "<title>pre-registered final 95%</title></rect>")
-    body = [strip, _hline(f, fixed, "pre-registered final", _BAND),
+             "<title>ladder's predicted final, 95%</title></rect>")
+    body = [strip, _hline(f, fixed, "ladder's predicted final", _BAND),
             _band(f, steps, lo, hi, _COLOURS[0], 0.25, "forecast 95%"),
             *_line(f, steps, final, _COLOURS[0], "forecast/final", dots=True)]
-    items = [("pre-registered final 95%", _BAND, "0.15"), ("pre-registered final", _BAND, "dash"),
+    items = [("ladder's predicted final, 95%", _BAND, "0.15"), ("ladder's predicted final", _BAND, "dash"),
              ("forecast 95%", _COLOURS[0], "0.25"), ("forecast/final", _COLOURS[0], "line")]
     return _figure("forecast of the final loss", f, "final loss (nats / token)", body, items)
 

@@ -361,13 +361,18 @@ def verdict(prediction: Prediction, value: float | None) -> str:
 
 
 def band_text(band: tuple | None) -> str:
-    """A prediction's pre-registered threshold (the spec's `prediction.band`) as the report and the site print it:
-    "[-inf, 2.5]", "none" without one. Pages call it the threshold, so it is never confused with the ladder's 95%
-    band around a predicted curve."""
+    """A prediction's pre-registered threshold (the spec's `prediction.band`, [low, high] with null for no bound) as
+    the report and the site print it, in words rather than a notation the spec does not use: "at most 2.5", "at
+    least 1", "1 to 2.5", "none". Pages call it the threshold, so it is never confused with the ladder's 95% band
+    around a predicted curve."""
     if band is None:
         return "none"
     low, high = band
-    return f"[{'-inf' if low is None else f'{low:g}'}, {'+inf' if high is None else f'{high:g}'}]"
+    if low is None and high is None:
+        return "any value"
+    if low is None:
+        return f"at most {high:g}"
+    return f"at least {low:g}" if high is None else f"{low:g} to {high:g}"
 
 
 def experiment_status(experiment: Experiment) -> str:

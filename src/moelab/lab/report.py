@@ -35,7 +35,8 @@ from moelab.files import sha256_file, write_bytes, write_json, write_text
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.plots import forecast_plot, line_plot, mixture_plot, router_load_heatmap
 from moelab.lab.registry import REPRODUCTION, Experiment, band_text, load_experiment, verdict
-from moelab.lab.view import RunFiles, drops_by_phase, find_run_dir, read_run, router_settings, series, when
+from moelab.lab.view import (RunFiles, against_band, drops_by_phase, find_run_dir, read_run, router_settings,
+                             series, when)
 from moelab.ladder.contract import self_check, trust, trust_text
 from moelab.train.outputs import CONFIG, MIXTURE_LOG, ROUTER_LOAD, SAMPLES
 
@@ -106,10 +107,10 @@ def _hypothesis(experiment: Experiment, run: RunFiles) -> Section:
     outcome = verdict(p, value)
     sec.p(f"Question: {' '.join(spec.question.split())}")
     sec.p(f"Hypothesis: {' '.join(spec.hypothesis.split())}")
-    sec.table(["metric", "expected", "threshold (pre-registered)", "observed", "at step", "verdict"],
+    sec.table(["metric", "expected (pre-registered)", "threshold (pre-registered)", "observed", "at step", "verdict"],
               [[p.metric, p.expected, band_text(p.band), value, step, outcome.upper()]])
     sec.p(f"Decision rule: {' '.join(p.decision_rule.split())}")
-    sec.p(trust_text(trust(run.prediction) if run.prediction is not None else None))
+    sec.p(trust_text(trust(run.prediction) if run.prediction is not None else None, outcome))
     if p.band is None:
         sec.note("The prediction has no threshold, only an expected value, so the verdict cannot be decided "
                  "automatically; read the decision rule against the observed value.")
@@ -153,6 +154,9 @@ def _loss_curve(run: RunFiles, report_dir: Path | None = None) -> Section:
         sec.note(f"No predicted band: {run.band_problem}.")
         return sec
     sec.p(f"Predicted band from {_relative(run.prediction, report_dir)}.")
+    record = against_band(metrics, band)
+    if record:
+        sec.p(record)
     check = _self_check_text(run.prediction)
     if check:
         sec.p(check)

@@ -45,7 +45,8 @@ from moelab.lab.ledger import Ledger, Record, records, verify
 from moelab.lab.plots import svg_curves
 from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
                                  TRAIN_STEP, band_text, load_experiment)
-from moelab.lab.view import ExperimentView, RunView, drops_by_phase, experiment_view, router_settings, series, when
+from moelab.lab.view import (ExperimentView, RunView, against_band, drops_by_phase, experiment_view, router_settings,
+                             series, when)
 from moelab.ladder import contract
 
 __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "build_site", "publish_site", "Built", "counted"]
@@ -110,7 +111,7 @@ def _page(title: str, body: str, home: str, head: Record) -> str:
 def _predicted(view: ExperimentView) -> str:
     p = view.experiment.spec.prediction
     expected = "" if p.expected is None else f"{p.expected:g} "
-    return f"{_e(p.metric)} {expected}in {band_text(p.band)}"
+    return f"pre-registered: {_e(p.metric)} {('expected ' + expected) if expected else ''}(threshold {band_text(p.band)})"
 
 
 def _readable(value: Any) -> str:
@@ -169,11 +170,11 @@ def _experiment_page(view: ExperimentView, bundle: str | None, bundle_note: str)
              f"owner {_e(spec.owner)}, registered {_e(when(reg.created_at))} (ledger record {reg.seq})</p>",
              f"<h2 id=\"question\">Question</h2><p>{_e(spec.question)}</p>",
              f"<h2 id=\"hypothesis\">Hypothesis and prediction</h2><p>{_e(spec.hypothesis)}</p>",
-             _table(["metric", "expected", "threshold (pre-registered)", "decision rule", "observed", "verdict"],
+             _table(["metric", "expected (pre-registered)", "threshold (pre-registered)", "decision rule", "observed", "verdict"],
                     [[_e(p.metric), _e("-" if p.expected is None else f"{p.expected:g}"), _e(band_text(p.band)),
                       _e(p.decision_rule), _outcome(view), _badge(view.verdict) or _e(view.status)]])]
     if view.status == FINISHED and view.trust is not None:
-        parts.append(f'<p id="trust">{_e(contract.trust_text(view.trust))}</p>')
+        parts.append(f'<p id="trust">{_e(contract.trust_text(view.trust, view.verdict))}</p>')
     registered = yaml.safe_dump(reg.body["spec"], sort_keys=False, width=10**6)
     parts.append(f"<h2 id=\"spec\">Spec as registered</h2><p>content hash <code>{_e(reg.body.get('spec_hash'))}</code>,"
                  f" git commit <code>{_e(reg.body.get('git_commit'))}</code></p>{_readable(reg.body['spec'])}"
@@ -225,6 +226,9 @@ def _run_section(run: RunView, metric: str, band: tuple | None, main: bool) -> s
                  for i, edge in enumerate(band or ()) if edge is not None}
         title = f"{run.name}: {metric}" + (" against the predicted 95% band" if shaded else "")
         parts.append(svg_curves(curves, title, band=shaded, hlines=lines))
+        record = against_band(run.metrics, run.band, metric)
+        if record:
+            parts.append(f'<p class="note">{_e(record)}</p>')
         if run.band_problem:  # a prediction it was watched against, unreadable: said, not hidden
             parts.append(f'<p class="note">No predicted band: {_e(run.band_problem)}.</p>')
     if evals:

@@ -40,6 +40,27 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in kept], [v for _, v in kept]
 
 
+def against_band(metrics: list[dict], band: dict | None, metric: str = "eval/mean") -> str | None:
+    """How `metric`'s evals sat against the ladder's predicted 95% band, in one sentence for the pages that show the
+    curve: how many fell outside it (from the first eval past the band's start) and from which step, and the mean
+    offset from the predicted curve. None without a band or an eval inside its span."""
+    if band is None:
+        return None
+    steps, values = series(metrics, metric)
+    kept = [(s, v) for s, v in zip(steps, values) if band["step"][0] <= s <= band["step"][-1]]
+    if not kept:
+        return None
+    at = np.array([s for s, _ in kept], float)
+    observed = np.array([v for _, v in kept])
+    lo, hi, pred = (np.interp(at, band["step"], band[k]) for k in ("lo95", "hi95", "loss_pred"))
+    outside = (observed < lo) | (observed > hi)
+    offset = float(np.mean(observed / pred - 1))
+    where = (f"{int(outside.sum())} of {len(kept)} evals fell outside the ladder's 95% band, the first at step "
+             f"{int(at[outside][0])}" if outside.any() else f"all {len(kept)} evals stayed inside the ladder's 95% band")
+    return (f"{metric}: {where}; on average the observed values sat {abs(offset):.1%} "
+            f"{'below' if offset < 0 else 'above'} the predicted curve.")
+
+
 def final_value(metrics: list[dict], summary: dict, metric: str) -> tuple[float | None, int | None]:
     """The last logged value of `metric` and its step; summary.json's `eval` backs up `eval/<domain>`."""
     for row in reversed(metrics):

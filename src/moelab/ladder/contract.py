@@ -244,10 +244,15 @@ def trust(pred_path: str | Path) -> dict | None:
             "self_check": status, "trusted": status == "passed"}
 
 
-def trust_text(t: dict | None) -> str:
-    """`trust` as one sentence for a terminal, a page or a report."""
+def trust_text(t: dict | None, verdict: str | None = None) -> str:
+    """`trust` as one sentence for a terminal, a page or a report; with the experiment's `verdict` ("confirmed",
+    "refuted"), a second one when the prediction is not trusted: the verdict is the pre-registered threshold's
+    alone, so a reader does not take a CONFIRMED beside an untrusted prediction as the ladder's success."""
     if t is None:
         return "No ladder prediction stands behind this run."
+    if verdict in ("confirmed", "refuted") and t["self_check"] != "passed":
+        return (f"{trust_text(t)} The verdict, {verdict.upper()}, is the pre-registered threshold's alone: the "
+                "ladder's prediction beside it is not trusted, so it neither supports nor undercuts it.")
     status = t["self_check"]
     meaning = {"passed": "trusted", "failed": "not trusted (the law missed its own largest rung)",
                "uninformative": "not trusted (the check's band is too wide to tell a good recipe from a bad one)",
