@@ -211,6 +211,11 @@ def test_the_router_section_states_the_routing_the_run_used_and_its_drops_per_ph
     assert [row[:2] for row in drops["rows"]] == [[phase, str(len(v))] for phase, v in by_phase.items()]
     for row, logged in zip(drops["rows"], by_phase.values()):
         assert float(row[2]) == pytest.approx(sum(logged) / len(logged), rel=1e-3, abs=1e-6)  # printed to 4 digits
+    assert len(drops["rows"][0]) == 3  # one device, no `ep`: no sender / receiver columns of "-" (issue 62)
+    from moelab.lab.view import DROPS_WORTH_A_NOTE
+    notes = " ".join(p["text"] for p in router["parts"] if p["kind"] == "note")
+    worst = max(sum(v) / len(v) for v in by_phase.values())
+    assert ("dropped" in notes and "capacity_factor" in notes) == (worst > DROPS_WORTH_A_NOTE)
 
 
 def test_the_report_names_the_ledger_head_and_record_count_that_verify_head_checks_later(lab, tmp_path, monkeypatch,
@@ -543,3 +548,17 @@ def test_the_router_settings_are_read_from_config_yaml_even_with_a_knob_this_moe
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"moe": {"num_experts": -1}}}))
     assert read_moe_config(tmp_path) is None
     assert read_moe_config(tmp_path / "missing") is None
+
+
+def test_drops_worth_a_look_are_flagged_and_ep_columns_shown_only_under_ep():
+    """Issue 62: a ladder's rungs dropped 16-32% of their assignments against the target's 6.6%, unflagged; the
+    sender / receiver columns were all "-" on one device."""
+    from moelab.lab.view import DROP_COLUMNS, drop_table, drops_note
+
+    rung = [{"step": 10, "phase": "pre", "drop_fraction": 0.32}, {"step": 20, "phase": "pre", "drop_fraction": 0.30}]
+    assert "dropped 31.0% of its token-expert assignments" in drops_note(rung)
+    assert drops_note([{"step": 10, "phase": "pre", "drop_fraction": 0.01}]) is None
+    assert drop_table(rung) == (DROP_COLUMNS[:3], [["pre", 2, pytest.approx(0.31)]])
+    ep = [{"step": 10, "phase": "pre", "drop_fraction": 0.1, "drop_fraction_at_sender": 0.04,
+           "drop_fraction_at_receiver": 0.06}]
+    assert drop_table(ep) == (DROP_COLUMNS, [["pre", 1, 0.1, 0.04, 0.06]])

@@ -35,7 +35,7 @@ from moelab.files import sha256_file, write_bytes, write_json, write_text
 from moelab.lab.ledger import Ledger, verify
 from moelab.lab.plots import forecast_plot, line_plot, mixture_plot, router_load_heatmap
 from moelab.lab.registry import REPRODUCTION, Experiment, band_text, load_experiment, verdict
-from moelab.lab.view import (RunFiles, against_band, drops_by_phase, find_run_dir, read_run, router_settings,
+from moelab.lab.view import (RunFiles, against_band, drop_table, drops_note, find_run_dir, read_run, router_settings,
                              series, when)
 from moelab.ladder.contract import self_check, trust, trust_text
 from moelab.train.outputs import CONFIG, MIXTURE_LOG, ROUTER_LOAD, SAMPLES
@@ -237,9 +237,12 @@ def _router(run: RunFiles, plots: bool = True) -> Section:
         sec.table(["setting", "value"], [[what, value] for _, what, value in settings], keys=[k for k, _, _ in settings])
     else:
         sec.note(f"No router settings: {run.out / CONFIG} is absent or holds no model.moe section.")
-    drops = drops_by_phase(run.metrics)
+    columns, drops = drop_table(run.metrics)
     if drops:
-        sec.table(["phase", "logged steps", "dropped fraction (mean)", "at the sender", "at the receiver"], drops)
+        sec.table(columns, drops)
+        note = drops_note(run.metrics)
+        if note:
+            sec.note(note)
     else:
         sec.note("The run logged no drop_fraction, so its drops per phase are unknown.")
     if not plots:

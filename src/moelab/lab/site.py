@@ -45,8 +45,8 @@ from moelab.lab.ledger import Ledger, Record, records, verify
 from moelab.lab.plots import svg_curves
 from moelab.lab.registry import (ABANDONED, CONFIRMED, FAILED, FINISHED, INCONCLUSIVE, REFUTED, REGISTERED, RUNNING,
                                  TRAIN_STEP, band_text, load_experiment)
-from moelab.lab.view import (ExperimentView, RunView, against_band, drops_by_phase, experiment_view, router_settings,
-                             series, when)
+from moelab.lab.view import (ExperimentView, RunView, against_band, drop_table, drops_note, experiment_view,
+                             router_settings, series, when)
 from moelab.ladder import contract
 
 __all__ = ["INDEX", "TIMELINE", "SITE_JSON", "build_site", "publish_site", "Built", "counted"]
@@ -262,11 +262,13 @@ def _router_tables(run: RunView, main: bool) -> str:
         parts.append(_table(["setting", "value"], [[_e(what), _e(value)] for _, what, value in router_settings(run.moe)]))
     elif main:
         parts.append('<p class="note">No router settings: the run\'s config.yaml was not found.</p>')
-    drops = drops_by_phase(run.metrics)
+    columns, drops = drop_table(run.metrics)
     fraction = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-    parts.append(_table(["phase", "logged steps", "dropped fraction (mean)", "at the sender", "at the receiver"],
-                        [[_e(phase), _e(n), *(fraction(v) for v in means)] for phase, n, *means in drops])
+    parts.append(_table(columns, [[_e(phase), _e(n), *(fraction(v) for v in means)] for phase, n, *means in drops])
                  if drops else '<p class="note">No drop_fraction logged.</p>')
+    note = drops_note(run.metrics)
+    if note:
+        parts.append(f'<p class="note">{_e(note)}</p>')
     return "".join(parts)
 
 

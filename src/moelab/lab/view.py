@@ -128,6 +128,32 @@ def drops_by_phase(metrics: list[dict]) -> list[list]:
     return table
 
 
+DROP_COLUMNS = ["phase", "logged steps", "dropped fraction (mean)", "at the sender", "at the receiver"]
+DROPS_WORTH_A_NOTE = 0.05  # a run that drops more of its assignments than this trained a visibly thinner MoE
+
+
+def drop_table(metrics: list[dict]) -> tuple[list[str], list[list]]:
+    """(columns, rows) of `drops_by_phase` as the pages show it: the sender / receiver columns only where a run has
+    them (an `ep` run; elsewhere every cell would be "-")."""
+    rows = drops_by_phase(metrics)
+    if any(v is not None for row in rows for v in row[3:]):
+        return DROP_COLUMNS, rows
+    return DROP_COLUMNS[:3], [row[:3] for row in rows]
+
+
+def drops_note(metrics: list[dict]) -> str | None:
+    """A sentence when the run's training dropped more than DROPS_WORTH_A_NOTE of its token-expert assignments (a
+    ladder's small rungs often do: capacity is per expert, and few tokens a batch fill it unevenly)."""
+    rows = drops_by_phase(metrics)
+    worst = max((row[2] for row in rows), default=0.0)
+    if worst <= DROPS_WORTH_A_NOTE:
+        return None
+    return (f"This run dropped {worst:.1%} of its token-expert assignments in training (a phase's mean; over "
+            f"{DROPS_WORTH_A_NOTE:.0%} is worth a look): its loss is that of a MoE that skipped that share of its "
+            "experts' work, and a ladder fitted on it carries that into the prediction. A higher "
+            "model.moe.capacity_factor, or the dropless dispatch, trains without it.")
+
+
 # ----------------------------------------------------------------------------------------------
 # the run directory
 
