@@ -304,3 +304,12 @@ def test_chromium_loads_every_page_from_the_index_and_finds_no_broken_link_image
             if target.suffix == ".html":
                 todo.append(target)
     assert {p.name for p in seen} >= {INDEX, TIMELINE, "s-confirmed.html", "s-failed.html", "s-amended.html"}
+
+
+def test_a_spec_reads_as_lists_on_one_line_where_they_are_numbers():
+    """Issue 62: the demo's rungs [[32, 1], [32, 2], [48, 2]] rendered as nested bullet lists ("- - 32 / - 1")."""
+    from moelab.lab.site import _readable
+
+    text = _readable({"rungs": [[32, 1], [32, 2], [48, 2]], "band": [None, 2.3], "notes": ["a", "b"]})
+    assert "<dd>[32, 1], [32, 2], [48, 2]</dd>" in text and "<dd>null, 2.3</dd>" in text
+    assert "<ul><li>a</li><li>b</li></ul>" in text

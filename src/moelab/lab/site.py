@@ -120,8 +120,13 @@ def _readable(value: Any) -> str:
     if isinstance(value, dict):
         return "<dl>" + "".join(f"<dt>{_e(str(k))}</dt><dd>{_readable(v)}</dd>" for k, v in value.items()) + "</dl>"
     if isinstance(value, list):
-        if all(isinstance(v, (int, float, type(None))) for v in value):
+        def numbers(items):
+            return all(isinstance(v, (int, float, type(None))) for v in items)
+
+        if numbers(value):
             return _e(", ".join("null" if v is None else f"{v:g}" for v in value))
+        if all(isinstance(v, list) and numbers(v) for v in value):  # e.g. ladder rungs [[32, 1], [48, 2]]: one line
+            return _e(", ".join(f"[{_readable(v)}]" for v in value))
         return "<ul>" + "".join(f"<li>{_readable(v)}</li>" for v in value) + "</ul>"
     if isinstance(value, str) and len(value) > 80:
         return "".join(f"<p>{_e(' '.join(para.split()))}</p>" for para in value.split("\n\n") if para.strip())
