@@ -77,6 +77,9 @@ def test_ladder_plan_preset_prints_the_rungs_and_target_as_json(monkeypatch, cap
     assert code == 0 and [r["name"] for r in rows] == ["ladder-d768-l8", "ladder-d1024-l12", "ladder-d1536-l16",
                                                        "ladder-d2048-l22", "frontier-535b"]
     assert rows[0]["steps"] == presets.get("ladder-d768").train.steps
+    code, out, err = run_cli(["ladder", "plan", "--preset", "frontier-535b"], monkeypatch, capsys)
+    assert code == 0 and "not 48 layers deep" in " ".join(err.split())  # the depth warning stands ...
+    assert "published rung shapes, kept as published" in " ".join(out.split())  # ... and says it is intended
 
 
 def test_ladder_plan_of_a_recipe_file(tmp_path, monkeypatch, capsys):

@@ -78,6 +78,10 @@ def plan(
     out_console.print(lr_rule_text(r))
     # a preset's data is the frontier's (not on this machine); a recipe's is read
     _warn_recipe(configs, r.target, read_data=preset is None)
+    if preset is not None:
+        out_console.print(f"These are {escape(preset)}'s published rung shapes, kept as published so the ladder is the "
+                          "one its run planned: any warning above is what they cost the fit, not a mistake to fix "
+                          "here (a recipe file of your own can follow it).", highlight=False)
 
 
 def _fix(path: Path, recipe, out: Path, runs: Path | None, quiet: bool):
