@@ -1,6 +1,7 @@
 """The command line as a user meets it: outputs, JSON, and bad input as exit 2 with one clear message."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,17 @@ def test_the_summary_line_of_a_run_resumed_at_its_last_step_says_what_it_did_not
                         Path("runs/x"))
     assert "no step trained here" in line and "throughput not measured" in line and "2.500" in line
     assert "1,234 tokens/s" in summary_line({"step": 16, "loss": 2.0, "tokens_per_s": 1234.4}, Path("runs/x"))
+
+
+def test_the_command_line_doc_names_every_flag_of_train_and_plan():
+    """Issue 62: docs/command-line.md claimed every flag and left out `plan`'s; now it says which commands it lists
+    in full, and this keeps them so."""
+    import typer
+
+    from moelab.cli.main import app
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "command-line.md").read_text()
+    commands = typer.main.get_command(app).commands
+    for name in ("train", "plan"):
+        flags = {opt for p in commands[name].params for opt in p.opts if opt.startswith("--") and opt != "--help"}
+        assert flags and not {f for f in flags if not re.search(rf"{re.escape(f)}\b", doc)}, name
