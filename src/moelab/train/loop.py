@@ -158,7 +158,10 @@ def train(cfg: RunConfig, out_dir: str | Path, hooks: Hooks | None = None, *, si
         watcher.check_run(cfg)
     changes = check_config(cfg, out)
     mesh = mesh_lib.make_mesh(cfg.mesh)  # ConfigError if there are too few devices
-    corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
+    try:
+        corpus = prepare_corpus(cfg)  # may raise DataError / ConfigError: before anything is written
+    except KeyboardInterrupt:  # Ctrl-C while the data loads: nothing written yet, and the same exit as later
+        raise Preempted(0, None) from None
     t, m = cfg.train, cfg.model
     held_out = {d: eval_batches(corpus, d, t.eval_batches, t.batch_size, m.seq_len) for d in corpus.domains}  # likewise
     if out.exists() and not out.is_dir():
