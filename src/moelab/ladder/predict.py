@@ -270,9 +270,13 @@ def _advice(summary: dict, largest: float) -> dict | None:
     seeds = seeds_for_band(summary, sizes)
     advice = {"seeds_per_rung": seeds["seeds"], "expected_half_width": seeds["half_width"],
               "reachable": seeds["reachable"], "seeds_now": summary["fit"]["runs"] / sizes}
-    text = f"To reach a +-{BAND_GOAL:.0%} band: {seeds['why']}"
-    if seeds["reachable"]:
-        text += f" (about +-{seeds['half_width']:.1%}; now {advice['seeds_now']:.3g} a rung)"
+    if target["band95_half_width"] <= BAND_GOAL:  # the band is met: only the self-check is missing or failed
+        text = (f"The band is within +-{BAND_GOAL:.0%} already (+-{target['band95_half_width']:.1%}), but no passed "
+                "self-check stands behind it")
+    else:
+        text = f"To reach a +-{BAND_GOAL:.0%} band: {seeds['why']}"
+        if seeds["reachable"]:
+            text += f" (about +-{seeds['half_width']:.1%}; now {advice['seeds_now']:.3g} a rung)"
     if sizes < 3:
         advice["rung"] = "another size"
         text += "; add a third rung size, so the self-check can run"
@@ -280,8 +284,10 @@ def _advice(summary: dict, largest: float) -> dict | None:
         advice["rung"] = target["params"] / 3
         text += (f"; add a rung of about {target['params'] / 3:.3g} active parameters (a third of the target's; the "
                  f"largest now has {largest:.3g}), so the self-check predicts a size nearer the target")
-    advice["text"] = text + (". For a ladder moelab trained, `moelab ladder plan` of its recipe file with `--fix --runs` "
-                             "and the ladder's output folder writes the seeds into the recipe.")
+    if target["band95_half_width"] > BAND_GOAL:
+        text += (". For a ladder moelab trained, `moelab ladder plan` of its recipe file with `--fix --runs` and the "
+                 "ladder's output folder writes the seeds into the recipe")
+    advice["text"] = text + "."
     return advice
 
 
