@@ -507,6 +507,7 @@ def test_the_verdict_carries_the_predictions_trust_everywhere_it_is_shown(lab, t
         assert words in section((tmp_path / "r" / "report.html").read_text(), "hypothesis")
         code, out, err = run_cli(["lab", "show", "rep-tiny", "--ledger", str(ledger)], monkeypatch, capsys)
         assert code == 0 and "Verdict: " in out and words in " ".join(out.split()), err
+        assert out.index("Verdict: ") < out.index("Question")  # the outcome before the spec and its records
         code, _, err = run_cli(["lab", "site", "--ledger", str(ledger), "--root", str(root), "--out",
                                 str(tmp_path / "site")], monkeypatch, capsys)
         assert code == 0, err

@@ -150,10 +150,10 @@ def show(exp_id: IdArg, ledger: LedgerOpt = DEFAULT_LEDGER, markdown: MarkdownOp
     elif markdown:
         print(registry.to_markdown(experiment, with_runs=True) + f"\n### Ledger\n\n{_ledger_sentence(ledger, check)}")
     else:
-        out_console.print(Markdown(registry.to_markdown(experiment, with_runs=True)))
         trust = _verdict_and_trust(experiment)
-        if trust:
-            out_console.print(trust, highlight=False)
+        if trust:  # first: a finished experiment's outcome before its spec and every record (issue 62)
+            out_console.print(trust + "\n", highlight=False)
+        out_console.print(Markdown(registry.to_markdown(experiment, with_runs=True)))
         # Plain and unwrapped: the hash must survive a narrow terminal and a copy-paste whole.
         out_console.print(f"\n{_ledger_sentence(ledger, check)}", markup=False, highlight=False, soft_wrap=True)
 
