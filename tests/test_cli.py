@@ -195,6 +195,7 @@ def test_train_dry_run_prints_the_config_and_plan_and_writes_nothing(tmp_path, m
     assert "per device" in stdout and "total" in stdout  # the plan's memory table
     assert "No step time: no datasheet here for 'cpu'" in stdout
     assert "links:" not in stdout  # one device: no link carries anything
+    assert "settings that lower it" not in stdout  # no memory limit here to get under: no tips
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"
