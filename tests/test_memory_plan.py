@@ -368,8 +368,7 @@ def test_the_residuals_read_off_the_jaxpr_are_the_ones_jax_prints():
 
 def test_the_plan_reads_true_for_one_device_and_for_a_config_that_does_not_fit(monkeypatch, capsys):
     """Issue 62: one device says no link and no communication; a step time for a config that does not fit carries
-    a caveat; the recompute warning promises a setting only where one is listed, with the docs' 0.95; a word on
-    what dominates the step."""
+    a caveat."""
     code, out, err = run_cli(["plan", "--preset", "gpu-medium", "--device", "h100"], monkeypatch, capsys)
     assert code == 0, err
     text = " ".join(out.split())
@@ -377,6 +376,11 @@ def test_the_plan_reads_true_for_one_device_and_for_a_config_that_does_not_fit(m
     assert "(one device: nothing to communicate)" in text and "across racks" not in text
     assert "as if it fit: it does not (87.7 GB of 80.0 GB)" in text and "take a setting above" in text
     assert "attention fused, as XLA compiles it on a GPU" in text
+
+
+def test_the_frontier_plan_names_what_dominates_and_promises_no_tip_it_does_not_give(monkeypatch, capsys):
+    """Issue 62: the recompute warning gives the docs' 0.95 and promises a setting only where one is listed; a line
+    says what dominates the step."""
     code, out, err = run_cli(["plan", "--preset", "frontier-535b", "--mesh", "replica=11,expert=64", "--device",
                               "h200"], monkeypatch, capsys)
     assert code == 0, err
