@@ -51,6 +51,26 @@ def _glm4_moe(tmp_path):
     return _with_norm_gains(_saved(model, tmp_path / "glm4_moe"))
 
 
+def _glm4_moe_bias(tmp_path):
+    """GLM-4.5's published configs set attention_bias: q, k and v projections with biases, here random (a bias read
+    into the wrong place, or left out, shows in the logits)."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Glm4MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                        max_position_embeddings=LENGTH)
+    model = Glm4MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.copy_(0.5 * torch.randn(proj.bias.shape))
+    return _saved(model, tmp_path / "glm4_moe_bias")
+
+
 def _qwen3_moe(tmp_path):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -106,12 +126,13 @@ def _saved(model, folder):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
-    made = {"mixtral": _mixtral(tmp), "glm4_moe": _glm4_moe(tmp), "qwen3_moe": _qwen3_moe(tmp), "olmoe": _olmoe(tmp)}
+    made = {"mixtral": _mixtral(tmp), "glm4_moe": _glm4_moe(tmp), "qwen3_moe": _qwen3_moe(tmp), "olmoe": _olmoe(tmp),
+            "glm4_moe_bias": _glm4_moe_bias(tmp)}
     return {name: (model, folder, hf_import.import_checkpoint(folder, tmp / f"run-{name}"), tmp / f"run-{name}")
             for name, (model, folder) in made.items()}
 
 
-@pytest.mark.parametrize("name", ["mixtral", "glm4_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "glm4_moe", "qwen3_moe", "olmoe", "glm4_moe_bias"])
 def test_an_imported_model_gives_transformers_logits_and_expert_choices(imported, name):
     """float32, 2 x 256 tokens: the same function (max |logit difference| <= 1e-4, the export check's bound:
     torch and XLA sum in other orders; a wrong or transposed weight moves logits by order 0.1-1), and the
@@ -125,7 +146,7 @@ def test_an_imported_model_gives_transformers_logits_and_expert_choices(imported
                                 dispatch=build_moe(run.cfg.model, purpose="decode"))
     assert float(np.max(np.abs(np.asarray(ours) - theirs))) <= 1e-4
     m = run.cfg.model
-    assert len(routed) == m.num_moe_layers == m.num_layers - (name in ("glm4_moe", "qwen3_moe"))  # a dense first block
+    assert len(routed) == m.num_moe_layers == m.num_layers - (name in ("glm4_moe", "qwen3_moe", "glm4_moe_bias"))
     for i, (h, expected) in enumerate(routed):  # each MoE layer's router, on transformers' input to it
         chosen = route(jnp.asarray(h), run.params["layers"]["w_router"][i], run.router_bias[i], m.moe)
         np.testing.assert_array_equal(np.sort(np.asarray(chosen.expert_idx), -1), np.sort(expected, -1))
@@ -152,7 +173,7 @@ def _transformers_forward(model, tokens) -> tuple[np.ndarray, list]:
     return logits.numpy(), routed
 
 
-@pytest.mark.parametrize("name", ["mixtral", "glm4_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "glm4_moe", "qwen3_moe", "olmoe", "glm4_moe_bias"])
 def test_import_export_import_gives_back_the_tensors_and_the_params(imported, name, tmp_path):
     """Import -> export writes the original checkpoint's class and tensors (same names, bitwise; the dense first
     blocks included), and `--check` passes on it; export -> import reads the same params and router bias back,
@@ -164,7 +185,7 @@ def test_import_export_import_gives_back_the_tensors_and_the_params(imported, na
     _, folder, _, out = imported[name]
     run = load_run(out)
     result = writer.export_run(run, tmp_path / "export", source=out)
-    assert result["layout"] == name and result["hf_class"] == json.loads((folder / "config.json").read_text())[
+    assert result["layout"] == name.removesuffix("_bias") and result["hf_class"] == json.loads((folder / "config.json").read_text())[
         "architectures"][0]
     assert check_export(tmp_path / "export", run)["passed"]
     original = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -237,7 +258,7 @@ def test_a_folder_moelab_cannot_import_exits_2_naming_the_file_and_field_and_wri
 @pytest.mark.parametrize("name, field, value", [
     ("glm4_moe", "first_k_dense_replace", 3), ("mixtral", "rope_scaling", {"factor": 2}),
     ("qwen3_moe", "mlp_only_layers", [1]), ("qwen3_moe", "decoder_sparse_step", 2),
-    ("qwen3_moe", "use_sliding_window", True), ("olmoe", "clip_qkv", 8.0),
+    ("qwen3_moe", "use_sliding_window", True), ("olmoe", "clip_qkv", 8.0), ("olmoe", "attention_bias", True),
 ])
 def test_values_moelab_does_not_model_are_refused_by_name(imported, name, field, value, tmp_path, monkeypatch, capsys):
     """No MoE block left, dense blocks anywhere but first, RoPE scaling, sliding windows, clipped projections:

@@ -296,3 +296,23 @@ def test_lm_head_backward_is_autodiffs_in_float32_and_runs_in_bfloat16_under_bf1
     exact = jax.vjp(plain, xb.astype(jnp.float32), wb.astype(jnp.float32))[1](g)
     for a, b in zip((dx, dw), exact):
         np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.05)
+
+
+def test_attention_biases_start_at_zero_are_counted_undecayed_and_monitored():
+    """`model.attention_bias` (GLM-4.5's): q / k / v biases of the projections' widths, zero at init (the model at
+    init is the unbiased one), counted by `accounting`, left out of weight decay like the norms' gains, and in the
+    monitor's attention group. The forward with biases is held to transformers' in test_hf_import."""
+    from moelab import accounting
+    from moelab.train.monitor import group_norms
+    from moelab.train.state import decay_mask
+
+    cfg = tiny_model(attention_bias=True)
+    params = jax.eval_shape(lambda: transformer.init(cfg, jax.random.key(0)))
+    layer = params["layers"]
+    N, K, H, L = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.num_layers
+    assert (layer["b_q"].shape, layer["b_k"].shape, layer["b_v"].shape) == ((L, N * H), (L, K * H), (L, K * H))
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(params)) == accounting.count_params(cfg).total
+    assert not any(decay_mask(params)["layers"][f"b_{x}"] for x in "qkv")
+    init = transformer.init(cfg, jax.random.key(0))
+    assert not any(np.any(np.asarray(init["layers"][f"b_{x}"])) for x in "qkv")
+    assert "norm/params/attention" in group_norms(init, "params")

@@ -34,6 +34,8 @@ def _attention_and_norms(cfg: ModelConfig) -> int:
     attention = d * heads + 2 * d * kv + heads * d
     if cfg.qk_norm is not None:  # the queries' and keys' RMSNorm gains
         attention += 2 * cfg.resolved_head_dim if cfg.qk_norm == "head" else heads + kv
+    if cfg.attention_bias:  # the q, k and v projections' biases
+        attention += heads + 2 * kv
     return attention + 2 * d
 
 

@@ -254,6 +254,9 @@ class ModelConfig:
     """RMSNorm of the queries and keys before RoPE, with learned gains: None (off), "head" (over each head's
     head_dim, one gain vector shared by the heads: Qwen3-MoE, GLM-4.5) or "full" (over the whole
     projection, num_heads x head_dim for q: OLMoE). Imported checkpoints need it; it trains from scratch too."""
+    attention_bias: bool = False
+    """Learned biases on the query, key and value projections (GLM-4.5's and Qwen2's `attention_bias`; the output
+    projection has none). Imported checkpoints need it; it trains from scratch too (the biases start at zero)."""
     dense_layers: int = 0
     """How many blocks, counted from the first, run one dense SwiGLU MLP of width `dense_ffn_dim` instead of
     the MoE block (DeepSeek-V3's and GLM-4.5's `first_k_dense_replace`: the first layers' tokens are not yet
@@ -301,6 +304,7 @@ class ModelConfig:
                and 0 <= self.dense_layers < self.num_layers, p + "dense_layers", self.dense_layers,
                f"must be an integer in [0, model.num_layers={self.num_layers}): at least one block is a MoE block")
         _check(isinstance(self.fp8, bool), p + "fp8", self.fp8, "must be true or false")
+        _check(isinstance(self.attention_bias, bool), p + "attention_bias", self.attention_bias, "must be true or false")
         if self.fp8 and self.moe.dispatch == "grouped":  # refused on any machine, so a plan on a CPU says what a GPU would
             raise ConfigError("model.fp8=true with model.moe.dispatch='grouped': the Pallas grouped GEMM has no FP8 "
                               "path. Use --set model.moe.dispatch=capacity (or ep on several devices), or "

@@ -12,8 +12,9 @@ come out of `kv_a_layernorm`, a per-token RMSNorm of the KV latent that is not l
 
 The mapping, per layer (moelab's [in, out] matrices become torch's [out, in]):
 
-    w_q / w_k / w_v / w_o         -> self_attn.q_proj / k_proj / v_proj / o_proj (no bias; rotate-halves RoPE
+    w_q / w_k / w_v / w_o         -> self_attn.q_proj / k_proj / v_proj / o_proj (rotate-halves RoPE
                                      on model.rope_fraction of each head: partial_rotary_factor)
+    b_q / b_k / b_v               -> self_attn.q_proj / k_proj / v_proj .bias (model.attention_bias: attention_bias)
     q_norm / k_norm               -> self_attn.q_norm / k_norm (model.qk_norm 'head': use_qk_norm)
     w_router, router_bias         -> mlp.gate.weight, mlp.gate.e_score_correction_bias (float32 always)
     w_gate / w_up / w_down [e]    -> mlp.experts.e.gate_proj / up_proj / down_proj
@@ -109,7 +110,7 @@ def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "partial_rotary_factor": cfg.rope_fraction, "rope_parameters": rope, "attention_bias": False,
+        "partial_rotary_factor": cfg.rope_fraction, "rope_parameters": rope, "attention_bias": cfg.attention_bias,
         "use_qk_norm": cfg.qk_norm == "head",
         "attention_dropout": 0.0, "tie_word_embeddings": False,
         "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,

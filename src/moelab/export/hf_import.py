@@ -21,7 +21,8 @@ sharded on the run's mesh (`_sharded_params`): no host holds more than the tenso
 
 A config value moelab does not model is refused by name, never approximated: a sliding window,
 dense layers anywhere but first (`mlp_only_layers` other than [0, ..., k-1], `decoder_sparse_step`), `clip_qkv`,
-attention biases, a rope_scaling other than "default", an activation other than SiLU.
+attention biases (but Glm4Moe's, GLM-4.5's `attention_bias`: model.attention_bias), a rope_scaling other than
+"default", an activation other than SiLU.
 Checkpoints with multi-token-prediction layers (GLM-4.5's `num_nextn_predict_layers`) import without
 them: their tensors (layer index >= num_hidden_layers) are left out, and the summary says so.
 
@@ -231,8 +232,8 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
                   else quantization, "moelab reads float weights; dequantize the checkpoint first")
     if hf.get("hidden_act", "silu") != "silu":
         hf.refuse("hidden_act", hf.get("hidden_act"), "moelab's experts are SwiGLU")
-    if hf.get("attention_bias"):
-        hf.refuse("attention_bias", True, "moelab's projections have no bias")
+    if hf.get("attention_bias") and arch != "Glm4MoeForCausalLM":  # the one class tested logits-equal with it
+        hf.refuse("attention_bias", True, f"moelab carries attention biases from Glm4MoeForCausalLM, not yet {arch}")
     if spec.window_switch is None and hf.get("sliding_window") is not None:
         hf.refuse("sliding_window", hf.get("sliding_window"), "moelab attends causally over the whole sequence")
     if spec.window_switch is not None and hf.get(spec.window_switch):
@@ -248,7 +249,8 @@ def model_config(hf: dict, path: Path) -> tuple[str, ModelConfig]:
     dense_ffn_dim = hf.read("intermediate_size") if fields.get("dense_layers") else None
     moe["num_experts_per_token"] = hf.read("num_experts_per_tok")
     try:
-        return arch, ModelConfig(**shape, **fields, dense_ffn_dim=dense_ffn_dim, moe=MoEConfig(**moe))
+        return arch, ModelConfig(**shape, **fields, dense_ffn_dim=dense_ffn_dim, moe=MoEConfig(**moe),
+                                 attention_bias=bool(hf.get("attention_bias")))
     except ConfigError as e:  # a value moelab's config refuses: name the file it came from
         raise ConfigError(f"{path}: {e} (from the Hugging Face config's values)") from None
 
@@ -290,8 +292,8 @@ class _opened:
         return self.handle.__exit__(*exc)
 
 
-def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False, dense: bool = False
-                 ) -> dict[str, str]:
+def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False, dense: bool = False,
+                 bias: bool = False) -> dict[str, str]:
     """moelab key -> tensor name for HF layer i: its attention and MLP (`dense`: a dense block's SwiGLU), or with
     `e` routed expert e's matrices."""
     p = f"model.layers.{i}."
@@ -306,6 +308,8 @@ def _layer_names(arch: str, i: int, e: int | None = None, qk_norm: bool = False,
              "w_v": p + "self_attn.v_proj.weight", "w_o": p + "self_attn.o_proj.weight"}
     if qk_norm:
         names.update({"q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight"})
+    if bias:  # `attention_bias`: q, k and v projections only
+        names.update({f"b_{x}": f"{p}self_attn.{x}_proj.bias" for x in "qkv"})
     if dense:
         return {**names, **{f"w_mlp_{name}": f"{p}mlp.{name}_proj.weight" for name in ("gate", "up", "down")}}
     if arch == "MixtralForCausalLM":
@@ -324,7 +328,7 @@ def _names(arch: str, cfg: ModelConfig):
     Ld, qk = cfg.dense_layers, cfg.qk_norm is not None
     for i in range(cfg.num_layers):
         stack, j = ("dense_layers", i) if i < Ld else ("layers", i - Ld)
-        for key, name in _layer_names(arch, i, qk_norm=qk, dense=i < Ld).items():
+        for key, name in _layer_names(arch, i, qk_norm=qk, dense=i < Ld, bias=cfg.attention_bias).items():
             yield stack, (j,), key, name
         for e in range(cfg.moe.num_experts if i >= Ld else 0):
             for key, name in _layer_names(arch, i, e).items():

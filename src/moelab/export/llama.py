@@ -39,6 +39,8 @@ def decoder_tensors(params: dict, dtype: np.dtype) -> dict[str, np.ndarray]:
             p + "self_attn.v_proj.weight": as_dtype(layers["w_v"][i], dtype).T,
             p + "self_attn.o_proj.weight": as_dtype(layers["w_o"][i], dtype).T,
         })
+        if "b_q" in layers:  # `model.attention_bias`: the q, k and v projections' biases
+            tensors.update({f"{p}self_attn.{x}_proj.bias": as_dtype(layers[f"b_{x}"][i], dtype) for x in "qkv"})
         if "q_norm" in layers:  # `model.qk_norm`: the gains of the queries' and keys' RMSNorm
             tensors.update({p + "self_attn.q_norm.weight": as_dtype(layers["q_norm"][i], dtype),
                             p + "self_attn.k_norm.weight": as_dtype(layers["k_norm"][i], dtype)})

@@ -31,6 +31,8 @@ __all__ = ["qwen3_moe_mismatch", "olmoe_mismatch", "softmax_moe_tensors", "qwen3
 def _softmax_mismatch(cfg: ModelConfig, router_bias, name: str) -> str | None:
     """What a plain softmax-routed MoE block (no shared experts, latent, groups or bias) cannot express."""
     m = cfg.moe
+    if cfg.attention_bias:  # their classes take attention_bias, but no test holds moelab's to theirs yet
+        return f"model.attention_bias=true (not exported as {name} yet: Glm4MoeForCausalLM carries it)"
     if m.router_score != "softmax":
         return f"model.moe.router_score={m.router_score!r} ({name} scores with softmax)"
     if m.routed_scaling != 1.0:

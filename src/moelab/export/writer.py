@@ -75,6 +75,8 @@ def mixtral_mismatch(cfg: ModelConfig, router_bias: Any) -> str | None:
         return f"model.moe.latent_dim={m.latent_dim} (Mixtral's experts run at d_model)"
     if cfg.qk_norm is not None:
         return f"model.qk_norm={cfg.qk_norm!r} (Mixtral's attention has no QK-norm)"
+    if cfg.attention_bias:
+        return "model.attention_bias=true (Mixtral's projections have no bias)"
     if m.num_groups > 1:
         return f"model.moe.num_groups={m.num_groups} (Mixtral's router has no groups)"
     if cfg.dense_layers:

@@ -151,10 +151,11 @@ def _cached_attention(layer: dict[str, jax.Array], x: jax.Array, k_cache: jax.Ar
     N, K, H, S = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim, cfg.seq_len
     x = x.astype(compute_dtype)
     w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
-    q, k = transformer.qk_norm(layer, jnp.einsum("btd,dh->bth", x, w["w_q"]), jnp.einsum("btd,dh->bth", x, w["w_k"]),
-                               cfg)
+    bias = transformer.with_bias
+    q, k = transformer.qk_norm(layer, bias(layer, "b_q", jnp.einsum("btd,dh->bth", x, w["w_q"])),
+                               bias(layer, "b_k", jnp.einsum("btd,dh->bth", x, w["w_k"])), cfg)
     q, k = q.reshape(B, T, N, H), k.reshape(B, T, K, H)
-    v = jnp.einsum("btd,dh->bth", x, w["w_v"]).reshape(B, T, K, H)
+    v = bias(layer, "b_v", jnp.einsum("btd,dh->bth", x, w["w_v"])).reshape(B, T, K, H)
     q = transformer.apply_rope(q, cfg.rope_theta, start, cfg.rope_fraction)
     k = transformer.apply_rope(k, cfg.rope_theta, start, cfg.rope_fraction)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))

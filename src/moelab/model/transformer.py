@@ -28,7 +28,7 @@ from moelab.model.dispatch import EXPERT_MATMUL
 from moelab.model.moe import Dispatch
 from moelab.model.layers import INIT_STD, residual_init_std, rms_norm, swiglu
 
-__all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "qk_norm", "causal_attention",
+__all__ = ["init", "init_router_bias", "apply", "loss", "lm_head", "attention", "with_bias", "qk_norm", "causal_attention",
            "apply_rope", "dense_mlp"]
 
 # {"embed", "layers": {...stacked [L - Ld, ...]}, "final_norm", "lm_head"}, and "dense_layers" [Ld, ...] when Ld > 0
@@ -64,8 +64,13 @@ def _init_layer(cfg: ModelConfig, key: jax.Array, init_mlp: Callable = moe.init)
     if cfg.qk_norm is not None:  # gains of the queries' and keys' RMSNorm: per head dim, or per projection dim
         qk_norms = {"q_norm": jnp.ones((H if cfg.qk_norm == "head" else N * H,), jnp.float32),
                     "k_norm": jnp.ones((H if cfg.qk_norm == "head" else K * H,), jnp.float32)}
+    biases = {}
+    if cfg.attention_bias:  # the q / k / v projections' biases (`model.attention_bias`), zero at init
+        biases = {"b_q": jnp.zeros((N * H,), jnp.float32), "b_k": jnp.zeros((K * H,), jnp.float32),
+                  "b_v": jnp.zeros((K * H,), jnp.float32)}
     return {
         **qk_norms,
+        **biases,
         "attn_norm": jnp.ones((D,), jnp.float32),
         "w_q": INIT_STD * jax.random.normal(k_q, (D, N * H), jnp.float32),
         "w_k": INIT_STD * jax.random.normal(k_k, (D, K * H), jnp.float32),
@@ -188,6 +193,11 @@ def qk_norm(layer: dict[str, jax.Array], q: jax.Array, k: jax.Array, cfg: ModelC
     return norm(q, layer["q_norm"]), norm(k, layer["k_norm"])
 
 
+def with_bias(layer: dict[str, jax.Array], name: str, y: jax.Array) -> jax.Array:
+    """`y` plus the layer's projection bias `name` (`model.attention_bias`), in y's dtype; `y` as is without one."""
+    return y + layer[name].astype(y.dtype) if name in layer else y
+
+
 def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compute_dtype: jnp.dtype,
               attend: Callable = causal_attention) -> jax.Array:
     """Causal grouped-query self-attention with RoPE.
@@ -207,11 +217,11 @@ def attention(layer: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig, compu
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
     x = x.astype(compute_dtype)
     w = {name: layer[name].astype(compute_dtype) for name in ("w_q", "w_k", "w_v", "w_o")}
-    q = fp8_lib.project("bsd,dh->bsh", x, w["w_q"], cfg.fp8)
-    k = fp8_lib.project("bsd,dh->bsh", x, w["w_k"], cfg.fp8)
+    q = with_bias(layer, "b_q", fp8_lib.project("bsd,dh->bsh", x, w["w_q"], cfg.fp8))
+    k = with_bias(layer, "b_k", fp8_lib.project("bsd,dh->bsh", x, w["w_k"], cfg.fp8))
     q, k = qk_norm(layer, q, k, cfg)
     q, k = q.reshape(B, S, N, H), k.reshape(B, S, K, H)
-    v = fp8_lib.project("bsd,dh->bsh", x, w["w_v"], cfg.fp8).reshape(B, S, K, H)
+    v = with_bias(layer, "b_v", fp8_lib.project("bsd,dh->bsh", x, w["w_v"], cfg.fp8)).reshape(B, S, K, H)
     q, k = apply_rope(q, cfg.rope_theta, fraction=cfg.rope_fraction), apply_rope(k, cfg.rope_theta, fraction=cfg.rope_fraction)
     # K < N key/value heads are shared by groups of N / K query heads; dot_product_attention does the
     # grouping itself, so K and V are never repeated in memory.

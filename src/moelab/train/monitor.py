@@ -59,6 +59,9 @@ _GROUP_OF = {
     "w_k": "attention",
     "w_v": "attention",
     "w_o": "attention",
+    "b_q": "attention",  # `model.attention_bias`
+    "b_k": "attention",
+    "b_v": "attention",
     "q_norm": "attention",  # `model.qk_norm`'s gains: part of how attention scores
     "k_norm": "attention",
     "w_router": "router",
