@@ -386,4 +386,5 @@ def test_the_frontier_plan_names_what_dominates_and_promises_no_tip_it_does_not_
     assert code == 0, err
     text = " ".join(out.split())
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95." in text and "no single setting makes it fit" in text
+    assert "(it fits on gb200 (186 GB): --device)" in text  # a known device it fits: the plan names it
     assert "take a setting above" not in text and re.search(r"Compute dominates \(\d+% of the step\)", text)

@@ -213,8 +213,13 @@ def _print_advice(result) -> None:
         return
     if not result.advice:
         if result.hbm is not None and not result.fits:
+            from moelab.train.run_length import DEVICES
+
+            roomier = [f"{name} ({d.hbm / GB:,.0f} GB)" for name, d in DEVICES.items() if d.hbm >= result.total]
             out_console.print("  no single setting makes it fit on this mesh: more devices (mesh.expert, "
-                              "mesh.replica), devices with more memory, or a smaller batch.")
+                              "mesh.replica), devices with more memory"
+                              + (f" (it fits on {', '.join(roomier)}: --device)" if roomier else "")
+                              + ", or a smaller batch.")
         return
     out_console.print("  settings that lower it on this mesh (each alone; add them to `moelab train` as is):")
     for tip in result.advice:
