@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import statistics
@@ -36,14 +37,20 @@ from moelab.model import fp8 as fp8_lib
 from moelab.train.loop import train
 
 
+@functools.cache
+def _fp8_error():
+    """`benchmarks/fp8_error.py` (a script beside this one, not a package), loaded once."""
+    spec = importlib.util.spec_from_file_location("fp8_error", Path(__file__).with_name("fp8_error.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _variant(name: str | None):
     """A context in which FP8 rounds as `fp8_error.VARIANTS[name]` does (None: the recipe as it is)."""
     if name is None:
         return contextlib.nullcontext()
-    spec = importlib.util.spec_from_file_location("fp8_error", Path(__file__).with_name("fp8_error.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return mock.patch.object(fp8_lib, "_quantize", module.VARIANTS[name])
+    return mock.patch.object(fp8_lib, "_quantize", _fp8_error().VARIANTS[name])
 
 
 def run(preset: str, steps: int, seed: int, fp8: bool, out: Path, sets: dict | None = None,
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, each trained in bf16 and in FP8")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for both runs (repeatable), e.g. model.d_model=256")
-    parser.add_argument("--variant", default=None, help="FP8 rounded as a variant of benchmarks/fp8_error.py "
+    parser.add_argument("--variant", default=None, choices=list(_fp8_error().VARIANTS), help="FP8 rounded as a variant of benchmarks/fp8_error.py "
                         "(e.g. 'tiles 128') instead of the recipe; the bf16 runs are the same")
     parser.add_argument("--out", type=Path, default=None, help="folder for the runs (default: a temporary one)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON object to this file")

@@ -557,8 +557,8 @@ def test_drops_worth_a_look_are_flagged_and_ep_columns_shown_only_under_ep():
     from moelab.lab.view import DROP_COLUMNS, drop_table, drops_note
 
     rung = [{"step": 10, "phase": "pre", "drop_fraction": 0.32}, {"step": 20, "phase": "pre", "drop_fraction": 0.30}]
-    assert "dropped 31.0% of its token-expert assignments" in drops_note(rung)
-    assert drops_note([{"step": 10, "phase": "pre", "drop_fraction": 0.01}]) is None
+    assert "dropped 31.0% of its token-expert assignments" in drops_note(drop_table(rung)[1])
+    assert drops_note(drop_table([{"step": 10, "phase": "pre", "drop_fraction": 0.01}])[1]) is None
     assert drop_table(rung) == (DROP_COLUMNS[:3], [["pre", 2, pytest.approx(0.31)]])
     ep = [{"step": 10, "phase": "pre", "drop_fraction": 0.1, "drop_fraction_at_sender": 0.04,
            "drop_fraction_at_receiver": 0.06}]

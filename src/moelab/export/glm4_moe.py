@@ -44,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from moelab.config import ModelConfig
-from moelab.export.llama import as_dtype, blocks, decoder_tensors
+from moelab.export.llama import as_dtype, blocks, decoder_config, decoder_tensors, experts_tensors
 
 __all__ = ["glm4_moe_mismatch", "glm4_moe_tensors", "glm4_moe_config", "shared_experts_in_glm4_moe"]
 
@@ -76,18 +76,12 @@ def glm4_moe_tensors(params: dict, router_bias: np.ndarray, cfg: ModelConfig, dt
                      ) -> dict[str, np.ndarray]:
     """moelab params as a Glm4Moe checkpoint's tensors: torch [out, in] matrices in `dtype`, the router's
     weight and bias in float32 (moelab routes in float32; transformers keeps both float32 too)."""
-    tensors = decoder_tensors(params, dtype)
+    tensors = {**decoder_tensors(params, dtype), **experts_tensors(params, cfg.moe.num_experts, dtype)}
     shared_width = shared_experts_in_glm4_moe(cfg) * cfg.moe.expert_dim
     for p, layers, i in blocks(params):
         if "w_router" not in layers:  # a dense block: all in decoder_tensors
             continue
-        tensors.update({p + "mlp.gate.weight": as_dtype(layers["w_router"][i], np.float32).T,
-                        p + "mlp.gate.e_score_correction_bias": as_dtype(router_bias[i], np.float32)})
-        for e in range(cfg.moe.num_experts):
-            q = f"{p}mlp.experts.{e}."
-            tensors.update({q + "gate_proj.weight": as_dtype(layers["w_gate"][i, e], dtype).T,
-                            q + "up_proj.weight": as_dtype(layers["w_up"][i, e], dtype).T,
-                            q + "down_proj.weight": as_dtype(layers["w_down"][i, e], dtype).T})
+        tensors[p + "mlp.gate.e_score_correction_bias"] = as_dtype(router_bias[i], np.float32)
         # Zero hidden units add nothing; with no shared experts the tensors have width 0, and still go in the
         # file: transformers builds a width-0 shared MLP and would report its weights missing.
         pad = shared_width - cfg.moe.num_shared_experts * cfg.moe.resolved_shared_expert_dim
@@ -106,19 +100,13 @@ def glm4_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
     m = cfg.moe
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rope_fraction}
     return {
-        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "partial_rotary_factor": cfg.rope_fraction, "rope_parameters": rope, "attention_bias": cfg.attention_bias,
-        "use_qk_norm": cfg.qk_norm == "head",
-        "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "n_routed_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_token,
-        "moe_intermediate_size": m.expert_dim, "intermediate_size": cfg.resolved_dense_ffn_dim,  # the dense layers' width
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", **decoder_config(cfg, eos_id, dtype),
+        "head_dim": cfg.resolved_head_dim, "partial_rotary_factor": cfg.rope_fraction, "rope_parameters": rope,
+        "attention_bias": cfg.attention_bias, "use_qk_norm": cfg.qk_norm == "head",
+        "n_routed_experts": m.num_experts, "moe_intermediate_size": m.expert_dim,
+        "intermediate_size": cfg.resolved_dense_ffn_dim,  # the dense layers' width
         "n_shared_experts": shared_experts_in_glm4_moe(cfg), "first_k_dense_replace": cfg.dense_layers,
-        "n_group": m.num_groups,
-        "topk_group": m.groups_per_token,
+        "n_group": m.num_groups, "topk_group": m.groups_per_token,
         "norm_topk_prob": m.normalize_weights, "routed_scaling_factor": m.routed_scaling,
-        "num_nextn_predict_layers": 0, "output_router_logits": False,
-        "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype,
+        "num_nextn_predict_layers": 0,
     }

@@ -1,14 +1,16 @@
-"""The tensors every Llama-style `transformers` class names alike: embedding, norms, GQA attention, lm head.
+"""The tensors and config keys every Llama-style `transformers` class names alike: embedding, norms, GQA
+attention, lm head (`decoder_tensors`), and the config.json keys of the shape (`decoder_config`).
 
-Mixtral and Glm4Moe differ only in their MoE blocks; both exports start from `decoder_tensors` (dense blocks
-included) and add their own. moelab's [in, out] matrices become torch's [out, in].
+Mixtral, Glm4Moe, Qwen3-MoE and OLMoE differ only in their MoE blocks; each export starts from these (dense
+blocks included) and adds its own. The last three name their router and experts alike (`experts_tensors`).
+moelab's [in, out] matrices become torch's [out, in].
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["blocks", "decoder_tensors", "as_dtype"]
+__all__ = ["blocks", "decoder_tensors", "experts_tensors", "decoder_config", "as_dtype"]
 
 
 def as_dtype(a, dtype: np.dtype) -> np.ndarray:
@@ -48,3 +50,31 @@ def decoder_tensors(params: dict, dtype: np.dtype) -> dict[str, np.ndarray]:
             tensors.update({p + f"mlp.{name}_proj.weight": as_dtype(layers[f"w_mlp_{name}"][i], dtype).T
                             for name in ("gate", "up", "down")})
     return tensors
+
+
+def experts_tensors(params: dict, num_experts: int, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """Every MoE block's router and routed experts under the names Glm4Moe, Qwen3-MoE and OLMoE share
+    (`mlp.gate.weight`, `mlp.experts.e.gate_proj / up_proj / down_proj`): the router float32 (moelab routes in
+    float32), the experts in `dtype`."""
+    tensors = {}
+    for p, layers, i in blocks(params):
+        if "w_router" not in layers:  # a dense block: all in decoder_tensors
+            continue
+        tensors[p + "mlp.gate.weight"] = as_dtype(layers["w_router"][i], np.float32).T
+        for e in range(num_experts):
+            q = f"{p}mlp.experts.{e}."
+            tensors.update({q + "gate_proj.weight": as_dtype(layers["w_gate"][i, e], dtype).T,
+                            q + "up_proj.weight": as_dtype(layers["w_up"][i, e], dtype).T,
+                            q + "down_proj.weight": as_dtype(layers["w_down"][i, e], dtype).T})
+    return tensors
+
+
+def decoder_config(cfg, eos_id: int, dtype: str) -> dict:
+    """The config.json keys every exported class reads alike (`cfg` a ModelConfig): the shape, RoPE's theta, the
+    norms, top-k, the untied head and the token ids."""
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
+            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "attention_dropout": 0.0, "tie_word_embeddings": False,
+            "num_experts_per_tok": cfg.moe.num_experts_per_token, "output_router_logits": False,
+            "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype, "dtype": dtype}

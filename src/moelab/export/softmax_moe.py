@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from moelab.config import ModelConfig
-from moelab.export.llama import as_dtype, blocks, decoder_tensors
+from moelab.export.llama import decoder_config, decoder_tensors, experts_tensors
 
 __all__ = ["qwen3_moe_mismatch", "olmoe_mismatch", "softmax_moe_tensors", "qwen3_moe_config", "olmoe_config"]
 
@@ -71,29 +71,15 @@ def olmoe_mismatch(cfg: ModelConfig, router_bias) -> str | None:
 
 def softmax_moe_tensors(params: dict, cfg: ModelConfig, dtype: np.dtype) -> dict[str, np.ndarray]:
     """moelab params as a Qwen3-MoE or OLMoE checkpoint's tensors (the names are the same in both)."""
-    tensors = decoder_tensors(params, dtype)
-    for p, layers, i in blocks(params):
-        if "w_router" not in layers:  # a dense block: all in decoder_tensors
-            continue
-        tensors[p + "mlp.gate.weight"] = as_dtype(layers["w_router"][i], np.float32).T
-        for e in range(cfg.moe.num_experts):
-            q = f"{p}mlp.experts.{e}."
-            tensors.update({q + "gate_proj.weight": as_dtype(layers["w_gate"][i, e], dtype).T,
-                            q + "up_proj.weight": as_dtype(layers["w_up"][i, e], dtype).T,
-                            q + "down_proj.weight": as_dtype(layers["w_down"][i, e], dtype).T})
+    tensors = {**decoder_tensors(params, dtype), **experts_tensors(params, cfg.moe.num_experts, dtype)}
     return {k: np.ascontiguousarray(v) for k, v in tensors.items()}
 
 
 def _common(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:
-    m = cfg.moe
-    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
-            "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "attention_bias": False,
-            "attention_dropout": 0.0, "tie_word_embeddings": False, "num_experts": m.num_experts,
-            "num_experts_per_tok": m.num_experts_per_token, "norm_topk_prob": m.normalize_weights,
-            "output_router_logits": False, "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype,
-            "dtype": dtype}
+    """What both classes' config.json add to `decoder_config`: default RoPE, no biases, the softmax router's."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {**decoder_config(cfg, eos_id, dtype), "rope_parameters": rope, "attention_bias": False,
+            "num_experts": cfg.moe.num_experts, "norm_topk_prob": cfg.moe.normalize_weights}
 
 
 def qwen3_moe_config(cfg: ModelConfig, eos_id: int, dtype: str) -> dict:

@@ -45,7 +45,7 @@ import numpy as np
 from moelab.config import ModelConfig, from_dict, to_dict
 from moelab.errors import ConfigError, DataError
 from moelab.export.glm4_moe import glm4_moe_config, glm4_moe_mismatch, glm4_moe_tensors
-from moelab.export.llama import as_dtype, decoder_tensors
+from moelab.export.llama import as_dtype, decoder_config, decoder_tensors
 from moelab.export.softmax_moe import (olmoe_config, olmoe_mismatch, qwen3_moe_config, qwen3_moe_mismatch,
                                        softmax_moe_tensors)
 
@@ -121,15 +121,10 @@ def mixtral_tensors(params: dict, dtype: np.dtype = DTYPES["float32"]) -> dict[s
 def mixtral_config(cfg: ModelConfig, eos_id: int, dtype: str = "float32") -> dict:
     """config.json for `MixtralForCausalLM` (keys of transformers 4.x and 5.x both)."""
     return {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.moe.expert_dim, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.resolved_head_dim,
-        "hidden_act": "silu", "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.num_experts_per_token,
-        "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0, "router_jitter_noise": 0.0,
-        "output_router_logits": False, "bos_token_id": None, "eos_token_id": eos_id, "torch_dtype": dtype,
-        "dtype": dtype,
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **decoder_config(cfg, eos_id, dtype),
+        "intermediate_size": cfg.moe.expert_dim, "head_dim": cfg.resolved_head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "num_local_experts": cfg.moe.num_experts, "sliding_window": None, "router_jitter_noise": 0.0,
     }
 
 

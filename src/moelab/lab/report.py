@@ -240,7 +240,7 @@ def _router(run: RunFiles, plots: bool = True) -> Section:
     columns, drops = drop_table(run.metrics)
     if drops:
         sec.table(columns, drops)
-        note = drops_note(run.metrics)
+        note = drops_note(drops)
         if note:
             sec.note(note)
     else:

@@ -271,7 +271,7 @@ def _router_tables(run: RunView, main: bool) -> str:
     fraction = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
     parts.append(_table(columns, [[_e(phase), _e(n), *(fraction(v) for v in means)] for phase, n, *means in drops])
                  if drops else '<p class="note">No drop_fraction logged.</p>')
-    note = drops_note(run.metrics)
+    note = drops_note(drops)
     if note:
         parts.append(f'<p class="note">{_e(note)}</p>')
     return "".join(parts)

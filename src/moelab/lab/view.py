@@ -141,10 +141,10 @@ def drop_table(metrics: list[dict]) -> tuple[list[str], list[list]]:
     return DROP_COLUMNS[:3], [row[:3] for row in rows]
 
 
-def drops_note(metrics: list[dict]) -> str | None:
-    """A sentence when the run's training dropped more than DROPS_WORTH_A_NOTE of its token-expert assignments (a
-    ladder's small rungs often do: capacity is per expert, and few tokens a batch fill it unevenly)."""
-    rows = drops_by_phase(metrics)
+def drops_note(rows: list[list]) -> str | None:
+    """A sentence when a run's training dropped more than DROPS_WORTH_A_NOTE of its token-expert assignments in a
+    phase (`rows`: `drop_table`'s); a ladder's small rungs often do: capacity is per expert, and few tokens a batch
+    fill it unevenly."""
     worst = max((row[2] for row in rows), default=0.0)
     if worst <= DROPS_WORTH_A_NOTE:
         return None

@@ -46,6 +46,7 @@ LAWS = {"tissue": ("tissue", "relative", "always"), "multipower": ("multipower",
         "tissue-lr": ("tissue", "progress", "always"), "convex": ("tissue", "convex", "always"),
         "timescale": ("tissue", "timescale", "always"), "tissue-free-alpha": ("tissue", "relative", "unidentified"),
         "noise-temperature": ("tissue", "noise", "always")}
+READS_BATCH = ("timescale", "noise")  # the `curve.LR_LAWS` whose exposure is the peak LR per token of batch
 
 
 def _fitter(law: str) -> Callable[[Sequence[Run]], CurveLaw]:
@@ -130,7 +131,7 @@ def _setup_notes(curves: Sequence[Run], targets: Sequence[Run], lr_law: str = "r
     "timescale" and "noise" laws the batch too, so those notes would be false for it.
     """
     if lr_law != "relative":
-        return _batch_note(curves, targets) if lr_law in ("progress", "convex") else []
+        return [] if lr_law in READS_BATCH else _batch_note(curves, targets)
     notes = []
     peaks = {}
     for run in curves:
@@ -270,7 +271,8 @@ def _advice(summary: dict, largest: float) -> dict | None:
     seeds = seeds_for_band(summary, sizes)
     advice = {"seeds_per_rung": seeds["seeds"], "expected_half_width": seeds["half_width"],
               "reachable": seeds["reachable"], "seeds_now": summary["fit"]["runs"] / sizes}
-    if target["band95_half_width"] <= BAND_GOAL:  # the band is met: only the self-check is missing or failed
+    band_met = target["band95_half_width"] <= BAND_GOAL
+    if band_met:  # only the self-check is missing or failed
         text = (f"The band is within +-{BAND_GOAL:.0%} already (+-{target['band95_half_width']:.1%}), but no passed "
                 "self-check stands behind it")
     else:
@@ -284,7 +286,7 @@ def _advice(summary: dict, largest: float) -> dict | None:
         advice["rung"] = target["params"] / 3
         text += (f"; add a rung of about {target['params'] / 3:.3g} active parameters (a third of the target's; the "
                  f"largest now has {largest:.3g}), so the self-check predicts a size nearer the target")
-    if target["band95_half_width"] > BAND_GOAL:
+    if not band_met:
         text += (". For a ladder moelab trained, `moelab ladder plan` of its recipe file with `--fix --runs` and the "
                  "ladder's output folder writes the seeds into the recipe")
     advice["text"] = text + "."
@@ -356,12 +358,12 @@ def fit_curves(curves_path: str | Path, target_path: str | Path, out_path: str |
         # where most ladders (one peak LR per rung) fall back and nothing is amiss.
         summary["notes"].insert(0 if name != DEFAULT_LAW else len(summary["notes"]),
                                 f"--law {name}: no size of the curves has runs at two "
-                                + ("values of peak LR per token of batch" if lr_law in ("timescale", "noise") else "peak LRs")
+                                + ("values of peak LR per token of batch" if lr_law in READS_BATCH else "peak LRs")
                                 + ", so the LR term cannot be told from the size term: the fit is tissue's "
                                   "(the relative-LR law), and so is the prediction.")
     elif lr_law != "relative":
         summary["notes"].append(f"--law {name}: rho = {law.rho:.3f} on the runs' "
-                                + ("peak LR per token of batch" if lr_law in ("timescale", "noise") else "peak LR")
+                                + ("peak LR per token of batch" if lr_law in READS_BATCH else "peak LR")
                                 + f" over {law.exposure_ref:.4g}" + (" (at its bound 0: the relative-LR law)"
                                                                      if law.rho <= 1e-6 else "") + ".")
     summary["notes"].extend(_setup_notes(curves, targets, law.lr_law))

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from moelab import accounting
-from moelab.config import RunConfig
+from moelab.config import ModelConfig, RunConfig
 from moelab.errors import ConfigError, Preempted, SaveFailed
 from moelab.data.mixture import Corpus, MixtureLog, build_corpus, eval_batches, phase_at, sample_batch
 from moelab.model import decode
@@ -318,7 +318,7 @@ class _Throughput:
 
     tokens_per_step: int
     window_start: float  # from after the decode's compile: that is not training time
-    flops_per_token: int  # `accounting.flops_per_token`: the useful training FLOPs MFU counts
+    model: ModelConfig  # whose training FLOPs per token MFU counts (`accounting.mfu`)
     peak_flops: float | None  # every device's datasheet peak together; None where unknown (no MFU shown)
     window_steps: int = 0
     steady_since: float | None = None
@@ -347,7 +347,7 @@ class _Throughput:
         """Model FLOPs utilization at `tokens_per_s`: useful training FLOPs per second over the peak (None unknown)."""
         if self.peak_flops is None or tokens_per_s is None:
             return None
-        return self.flops_per_token * tokens_per_s / self.peak_flops
+        return accounting.mfu(self.model, tokens_per_s, self.peak_flops)
 
     def steady_tokens_per_s(self) -> float | None:
         """Every step after the first (evals and saves included); None when this process ran fewer than two."""
@@ -385,8 +385,7 @@ def _run_steps(run: _Run, start: Start, eval_initial: dict[str, float]) -> dict:
             run.hooks.stage("compiling the sampler")
             logs.samples(0, run.sample(state, 0))
         run.hooks.stage("compiling the train step")
-        clock = _Throughput(accounting.tokens_per_step(cfg), time.perf_counter(), accounting.flops_per_token(m),
-                            _peak_flops(run.mesh))
+        clock = _Throughput(accounting.tokens_per_step(cfg), time.perf_counter(), m, _peak_flops(run.mesh))
         for step in range(start.step, t.steps):
             logs.mixture(mixture.before_step(step))
             _, phase = phase_at(cfg.data, step, t.steps)
