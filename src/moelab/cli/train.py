@@ -151,13 +151,14 @@ def train(
         sinks.append(_wandb_sink(cfg, out, name))
     elif name is not None:
         raise ConfigError("--name names the W&B run; add --wandb to log to W&B.")
+    started = time.time()  # a trace older than this is an earlier run's, not one this command wrote
     summary = run_training(cfg, out, watchers, sinks, trace)
     if is_writer():  # every host returns the same summary; one prints it
         print(json.dumps(summary) if json_out else summary_line(summary, out))
         if trace is not None and not json_out:
             from moelab.train.outputs import PROFILE
 
-            traces = sorted((out / PROFILE).rglob("perfetto_trace.json.gz"))
+            traces = sorted(p for p in (out / PROFILE).rglob("perfetto_trace.json.gz") if p.stat().st_mtime >= started)
             print(f"Profile of steps {trace[0] + 1}-{trace[1]}: {traces[-1]} (ui.perfetto.dev; or tensorboard "
                   f"--logdir {out / PROFILE})" if traces else
                   f"No profile written: the run did not train steps {trace[0] + 1}-{trace[1]} here (resumed past them?).")
